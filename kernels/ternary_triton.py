@@ -1,0 +1,285 @@
+"""Triton ternary linear ``y = x @ W^T (+ bias)`` on the native layout of :mod:`kernels.ternary_repack`.
+
+Two kernels:
+
+- ``gemv``: CUDA-core FMA kernel for small M. Bandwidth-bound: each program streams a
+  ``(BKW words, BN channels)`` tile of 2-bit weights and decodes it in registers, per field a shift,
+  an AND and an FMA (the masked field *is* the fp32 bit pattern of +-2.0 or 0, against x / 2).
+- ``mm``: tensor-core kernel for larger M: the weight tile is decoded to +-2 / 0 in the dot dtype
+  (exact in fp16 and bf16) and fed to ``tl.dot`` with an fp32 accumulator, halved in the epilogue.
+
+Both apply the fp32 scale per output channel in the epilogue (group scales per word or per
+element, see ``SCALE_MODE``), then the per-token activation scale and the bias, all in fp32.
+Activation quantization (FORMATS.md ``per_token_absmax_int8``) runs first in ``_act_quant_kernel``,
+which writes the integer-valued x_q as bf16 (exact) and s_x; the main kernels divide by s_x.
+Which kernel runs for which M is decided by the caller (:mod:`kernels.ternary_ops`), never here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.ternary_repack import WORD_CODES
+
+# Bit pattern of int32 0xC0000000: the two bits a field is shifted into (fp32 sign and exponent MSB).
+_FIELD_MASK = -1073741824
+# 1.5 * 2**23: adding and subtracting it rounds |v| < 2**22 to the nearest integer, ties to even.
+_RINT_MAGIC = 12582912.0
+
+SCALE_CHANNEL, SCALE_GROUP_TILE, SCALE_GROUP_ELEMENT = 0, 1, 2
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, xq_ptr, sx_ptr, K, stride_xm, stride_xk,
+                      BLOCK_K: tl.constexpr):
+    """One program per token row: s_x = 127 / max(max|x|, 1e-5); x_q = clamp(rint(x * s_x), -128, 127)."""
+    m = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    row = x_ptr + m * stride_xm
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs
+        v = tl.load(row + k * stride_xk, mask=k < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    s_x = tl.math.div_rn(tl.full([BLOCK_K], 127.0, tl.float32),
+                         tl.maximum(tl.max(amax, axis=0), 1e-5))
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs
+        v = tl.load(row + k * stride_xk, mask=k < K, other=0.0).to(tl.float32)
+        q = (v * s_x + _RINT_MAGIC) - _RINT_MAGIC  # launched without FMA fusion: x*s_x rounds first
+        q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+        tl.store(xq_ptr + m * K + k, q.to(tl.bfloat16), mask=k < K)
+    tl.store(sx_ptr + m + offs, s_x, mask=offs < 1)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, sx_ptr, y_ptr,
+                 N, K, KW, GS, stride_xm, stride_xk, stride_ym,
+                 SCALE_MODE: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                 BN: tl.constexpr, BKW: tl.constexpr):
+    m = tl.program_id(0)  # fastest: the M programs of one weight tile run together and share it in L2
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_w = tl.arange(0, BKW)
+    n_mask = offs_n < N
+    x_row = x_ptr + m * stride_xm
+    acc = tl.zeros([BKW, BN], dtype=tl.float32)
+    for kw0 in range(0, KW, BKW):
+        kw = kw0 + offs_w
+        w_ptrs = qw_ptr + kw[:, None] * N + offs_n[None, :]
+        if EVEN_K and EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(kw[:, None] < KW) & n_mask[None, :], other=0)
+        if SCALE_MODE == 1:
+            part = tl.zeros([BKW, BN], dtype=tl.float32)
+        else:
+            part = acc
+        for j in tl.static_range(16):
+            k = kw * 16 + j
+            if EVEN_K:
+                xj = tl.load(x_row + k * stride_xk)
+            else:
+                xj = tl.load(x_row + k * stride_xk, mask=k < K, other=0.0)
+            # Halved once here, so the +-2.0 decoded weights contribute exactly +-x.
+            xj = xj.to(tl.float32) * 0.5
+            f = ((w << (30 - 2 * j)) & _FIELD_MASK).to(tl.float32, bitcast=True)
+            if SCALE_MODE == 2:
+                sj = tl.load(s_ptr + (k // GS)[:, None] * N + offs_n[None, :],
+                             mask=(k[:, None] < K) & n_mask[None, :], other=0.0)
+                part += (f * sj) * xj[:, None]
+            else:
+                part += f * xj[:, None]
+        if SCALE_MODE == 1:
+            s = tl.load(s_ptr + ((kw * 16) // GS)[:, None] * N + offs_n[None, :],
+                        mask=(kw[:, None] < KW) & n_mask[None, :], other=0.0)
+            acc += part * s
+        else:
+            acc = part
+    y = tl.sum(acc, axis=0)
+    if SCALE_MODE == 0:
+        y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
+    if ACT_QUANT:
+        y = tl.math.div_rn(y, tl.load(sx_ptr + m + offs_n * 0))  # (BN,) copies of s_x[m]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _mm_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, sx_ptr, y_ptr,
+               M, N, K, KW, GS, stride_xm, stride_xk, stride_ym,
+               SCALE_MODE: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
+               EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+               EXPAND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+               GROUP_M: tl.constexpr):
+    BK: tl.constexpr = BKW * 16
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    # Grouped order: GROUP_M row blocks share each weight tile while it is in L2.
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BK)
+    offs_w = tl.arange(0, BKW)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for kw0 in range(0, KW, BKW):
+        k = kw0 * 16 + offs_k
+        a_ptrs = x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & (k[None, :] < K), other=0.0)
+        if EXPAND == 0:
+            # Load each word once and fan its 16 fields out along a middle axis: (BKW, 16, BN) -> (BK, BN).
+            kw = kw0 + offs_w
+            w = tl.load(qw_ptr + kw[:, None] * N + offs_n[None, :],
+                        mask=(kw[:, None] < KW) & n_mask[None, :], other=0)
+            sh = 30 - 2 * tl.arange(0, 16)
+            bits = (w[:, None, :] << sh[None, :, None]) & _FIELD_MASK
+            bits = tl.reshape(bits, (BK, BN))
+        else:
+            # One (cached) load per element: simpler code, more load instructions.
+            w = tl.load(qw_ptr + (k // 16)[:, None] * N + offs_n[None, :],
+                        mask=(k[:, None] < KW * 16) & n_mask[None, :], other=0)
+            bits = (w << (30 - 2 * (k % 16))[:, None]) & _FIELD_MASK
+        b32 = bits.to(tl.float32, bitcast=True)
+        if SCALE_MODE == 0:
+            acc = tl.dot(a.to(DOT_DTYPE), b32.to(DOT_DTYPE), acc, input_precision=PRECISION)
+        elif SCALE_MODE == 1:
+            # BK divides the group size: one scale per channel for the whole tile.
+            s = tl.load(s_ptr + ((kw0 * 16) // GS) * N + offs_n, mask=n_mask, other=0.0)
+            acc += tl.dot(a.to(DOT_DTYPE), b32.to(DOT_DTYPE), input_precision=PRECISION) * s[None, :]
+        else:
+            s = tl.load(s_ptr + (k // GS)[:, None] * N + offs_n[None, :],
+                        mask=(k[:, None] < K) & n_mask[None, :], other=0.0)
+            acc = tl.dot(a.to(tl.float32), b32 * s, acc, input_precision="ieee")
+    y = acc * 0.5  # the decoded weights are +-2
+    if SCALE_MODE == 0:
+        y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if ACT_QUANT:
+        y = tl.math.div_rn(y, tl.load(sx_ptr + offs_m, mask=m_mask, other=1.0)[:, None])
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# configurations (measured on an H200, see benchmarks/NOTES.md)
+
+
+def gemv_config(m: int, n: int, k: int) -> dict:
+    if interpreting():
+        return {"BN": 16, "BKW": 4, "num_warps": 1, "num_stages": 1}
+    bn = 16 if n <= 4096 else 32
+    return {"BN": bn, "BKW": 128, "num_warps": 4, "num_stages": 3}
+
+
+def mm_config(m: int, n: int, k: int) -> dict:
+    if interpreting():
+        return {"BM": 16, "BN": 32, "BKW": 4, "GROUP_M": 4, "EXPAND": 0, "num_warps": 1, "num_stages": 1}
+    if m <= 16:
+        return {"BM": 16, "BN": 64, "BKW": 8, "GROUP_M": 1, "EXPAND": 0, "num_warps": 4, "num_stages": 4}
+    if m <= 64:
+        return {"BM": 64, "BN": 64, "BKW": 4, "GROUP_M": 1, "EXPAND": 0, "num_warps": 4, "num_stages": 4}
+    return {"BM": 128, "BN": 128, "BKW": 4, "GROUP_M": 8, "EXPAND": 0, "num_warps": 8, "num_stages": 3}
+
+
+# --------------------------------------------------------------------------------------------
+# launchers
+
+
+def _scale_mode(group_size: int, k: int, tile_k: int) -> int:
+    if group_size == 0:
+        return SCALE_CHANNEL
+    return SCALE_GROUP_TILE if group_size % tile_k == 0 else SCALE_GROUP_ELEMENT
+
+
+def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token absmax int8 fake quantization of a 2-D x: (x_q as bf16 integers, s_x fp32 (M,))."""
+    m, k = x.shape
+    xq = torch.empty((m, k), dtype=torch.bfloat16, device=x.device)
+    sx = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m:
+        extra = {} if interpreting() else {"enable_fp_fusion": False}
+        _act_quant_kernel[(m,)](x, xq, sx, k, x.stride(0), x.stride(1), BLOCK_K=1024 if k > 512 else 128,
+                                num_warps=4, **extra)
+    return xq, sx
+
+
+def ternary_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                   k: int, group_size: int, act_quant_flag: bool, kernel: str,
+                   out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """``y = x @ W^T (+ bias)`` for a 2-D ``x`` (M, K); ``kernel`` is ``"gemv"`` or ``"mm"``.
+
+    ``out`` (M, N) in x's dtype may be given (tests poison it); ``config`` overrides the block sizes.
+    """
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be (M, {k}), got {tuple(x.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
+    m = x.shape[0]
+    kw, n = qweight.shape
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
+    if act_quant_flag:
+        xa, sx = act_quant(x)
+    else:
+        xa, sx = x, scale  # sx unused
+    b = bias if bias is not None else scale  # unused when HAS_BIAS is False
+    common = dict(ACT_QUANT=act_quant_flag, HAS_BIAS=bias is not None)
+    if kernel == "gemv":
+        cfg = dict(gemv_config(m, n, k), **(config or {}))
+        even_k = k == kw * WORD_CODES and kw % cfg["BKW"] == 0
+        grid = (m, triton.cdiv(n, cfg["BN"]))
+        _gemv_kernel[grid](xa, qweight, scale, b, sx, out, n, k, kw, max(group_size, 1),
+                           xa.stride(0), xa.stride(1), out.stride(0),
+                           SCALE_MODE=_scale_mode(group_size, k, WORD_CODES),
+                           EVEN_K=even_k, EVEN_N=n % cfg["BN"] == 0, **common, **cfg)
+        return out
+    if kernel != "mm":
+        raise ValueError(f"unknown triton kernel {kernel!r}; expected 'gemv' or 'mm'")
+    cfg = dict(mm_config(m, n, k), **(config or {}))
+    if group_size and group_size % WORD_CODES == 0:
+        # A tile never straddles a group: shrink BK to the largest power of two dividing the group.
+        while (cfg["BKW"] * WORD_CODES) > group_size or group_size % (cfg["BKW"] * WORD_CODES):
+            cfg["BKW"] //= 2
+    scale_mode = _scale_mode(group_size, k, cfg["BKW"] * WORD_CODES)
+    if act_quant_flag:
+        dot_dtype, precision = tl.bfloat16, "ieee"  # integers up to 128 and +-2 are exact in bf16
+    elif x.dtype == torch.float32:
+        dot_dtype, precision = tl.float32, "tf32x3"  # weights exact in tf32, x split in two parts
+    else:
+        dot_dtype, precision = (tl.float16 if x.dtype == torch.float16 else tl.bfloat16), "ieee"
+    even_k = k == kw * WORD_CODES and kw % cfg["BKW"] == 0
+    grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
+    _mm_kernel[grid](xa, qweight, scale, b, sx, out, m, n, k, kw, max(group_size, 1),
+                     xa.stride(0), xa.stride(1), out.stride(0),
+                     SCALE_MODE=scale_mode, EVEN_K=even_k, DOT_DTYPE=dot_dtype, PRECISION=precision,
+                     **common, **cfg)
+    return out

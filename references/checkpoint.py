@@ -1,0 +1,213 @@
+"""Reading checkpoint directories of FORMATS.md: config, format, safetensors tensors, never pickle.
+
+Every tensor is read lazily from its file; headers are validated up front so that a truncated or
+corrupt file is reported with its name and the tensor it breaks, not as a traceback from deep inside
+a loader.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from references.errors import CheckpointError
+from references.formats import FormatSpec, parse_quantization_config
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+PROJECTIONS = {
+    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+             "U8": 1, "BOOL": 1}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Validate one safetensors file's header against its size; return its tensors' info."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: not a safetensors file (only {size} bytes, no header length)")
+            (hlen,) = struct.unpack("<Q", head)
+            if hlen > size - 8:
+                raise CheckpointError(
+                    f"{path}: truncated or not safetensors: header claims {hlen} bytes but the file "
+                    f"holds {size - 8} after the length field")
+            raw = fh.read(hlen)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc}") from exc
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON: {exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    data_len = size - 8 - hlen
+    out: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_s, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {entry!r}") from None
+        if dtype_s not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype_s!r}")
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        if end - start != numel * _ITEMSIZE[dtype_s] or start < 0:
+            raise CheckpointError(
+                f"{path}: corrupt header: tensor {name!r} of shape {shape} {dtype_s} spans bytes "
+                f"[{start}, {end}), expected {numel * _ITEMSIZE[dtype_s]} bytes")
+        if end > data_len:
+            raise CheckpointError(
+                f"{path}: truncated: tensor {name!r} needs bytes [{start}, {end}) of the data section "
+                f"but the file holds only {data_len}")
+        out[name] = TensorInfo(name, path, _DTYPES[dtype_s], tuple(int(d) for d in shape))
+    return out
+
+
+class Checkpoint:
+    """A Hugging Face style checkpoint directory: ``config.json`` plus safetensors files."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: not a checkpoint directory")
+        self.config = self._read_config()
+        self.spec: FormatSpec | None = _parse_spec(self.config, self.path / "config.json")
+        self.tensors: dict[str, TensorInfo] = {}
+        for file in self._weight_files():
+            for name, info in read_safetensors_header(file).items():
+                if name in self.tensors:
+                    raise CheckpointError(
+                        f"{file}: tensor {name!r} also stored in {self.tensors[name].file.name}")
+                self.tensors[name] = info
+        self._handles: dict[Path, Any] = {}
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def _read_config(self) -> dict[str, Any]:
+        cfg_path = self.path / "config.json"
+        if not cfg_path.is_file():
+            raise CheckpointError(f"{self.path}: no config.json")
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{cfg_path}: not valid JSON: {exc}") from None
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{cfg_path}: must hold a JSON object")
+        return cfg
+
+    def _weight_files(self) -> list[Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted({self.path / f for f in weight_map.values()})
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({exc!r})") from None
+            for f in files:
+                if not f.is_file():
+                    raise CheckpointError(f"{index}: names {f.name}, which does not exist")
+            return files
+        files = sorted(self.path.glob("*.safetensors"))
+        if files:
+            return files
+        pickles = sorted(p.name for p in self.path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise CheckpointError(
+                f"{self.path}: only pickle weight files ({', '.join(pickles)}); pickle checkpoints are "
+                f"refused because loading them can run arbitrary code — convert them to safetensors")
+        raise CheckpointError(f"{self.path}: no *.safetensors weight files")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def keys(self) -> list[str]:
+        return sorted(self.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing") from None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        info = self.info(name)
+        handle = self._handles.get(info.file)
+        try:
+            if handle is None:
+                handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
+            return handle.get_tensor(name)
+        except Exception as exc:  # safetensors raises its own error types for corrupt data
+            raise CheckpointError(f"{info.file}: cannot read tensor {name!r}: {exc}") from None
+
+    def expect(self, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+        """Read a tensor, raising CheckpointError unless it has this shape and one of these dtypes."""
+        info = self.info(name)
+        if info.shape != tuple(shape):
+            raise CheckpointError(f"{info.file.name}: tensor {name!r} has shape {info.shape}, expected {tuple(shape)}")
+        if info.dtype not in dtypes:
+            want = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise CheckpointError(f"{info.file.name}: tensor {name!r} has dtype "
+                                  f"{str(info.dtype).removeprefix('torch.')}, expected {want}")
+        return self.tensor(name)
+
+    # -- architecture -----------------------------------------------------------------------
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """Logical ``(N, K)`` of every projection, keyed by Hugging Face module name."""
+        return linear_shapes(self.config)
+
+
+def linear_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    try:
+        hidden = int(config["hidden_size"])
+        inter = int(config["intermediate_size"])
+        layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"config.json lacks a Llama architecture field: {exc}") from None
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    per_layer = {
+        "self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, q),
+        "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+    }
+    return {f"model.layers.{i}.{m}": s for i in range(layers) for m, s in per_layer.items()}
+
+
+def _parse_spec(config: dict[str, Any], where: Path) -> FormatSpec | None:
+    from references.errors import FormatError
+
+    try:
+        return parse_quantization_config(config.get("quantization_config"))
+    except FormatError as exc:
+        raise FormatError(f"{where}: quantization_config: {exc}") from None

