@@ -5,13 +5,14 @@ pack_axis, pack_layout, bit_order, code_map, scale granularity or scale_mode.
 
 Native layout (:class:`NativeTernary`):
 
-- ``qweight``: int32 ``(Kw, N)`` with ``Kw = ceil(K / 16)``. Weight ``(n, k)`` lives in word
-  ``(k // 16, n)`` at bits ``2*(k % 16)`` (nonzero flag) and ``2*(k % 16) + 1`` (negative flag):
-  field 0b00 = 0, 0b01 = +1, 0b11 = -1 (0b10 never written). ``n`` is the contiguous axis, so a
-  row of words is one coalesced load for many output channels, and K pads with zero weights.
-  Shifting a field to bits 30..31 (or 14..15) and masking yields the IEEE bits of +-2.0 or 0 in
-  fp32 (or fp16 / bf16), so kernels turn codes into floats with a shift and an AND, no branch.
-- ``scale``: fp32 ``(G, N)``: G = 1 for tensor and channel scales (tensor broadcast over N),
+- ``qweight``: int32 ``(N, Kw)`` with ``Kw = ceil(K / 16)``. Weight ``(n, k)`` lives in word
+  ``(n, k // 16)`` in a 2-bit field, low bit = nonzero, high bit = negative: 0b00 = 0, 0b01 = +1,
+  0b11 = -1 (0b10 never written); K pads with zero weights. With ``e = k % 16`` the field starts
+  at bit ``FIELD_BIT[e] = 2 * (e // 2) + 16 * (e % 2)``: even e in the low half-word, odd e in
+  the high one, so one shift and one AND with 0xC000C000 give the fp16 / bf16 bit patterns of
+  +-2.0 or 0 for the adjacent pair (e, e + 1) already packed as a half2, ready for an MMA
+  operand; for fp32 a field shifted onto bits 30..31 and masked is +-2.0 or 0 likewise.
+- ``scale``: fp32 ``(N, G)``: G = 1 for tensor and channel scales (a tensor scale repeated over N),
   G = K / group_size for group scales, already inverted for ``scale_mode = "divide"``.
 - ``group_size``: 0 for one scale per output channel, else the checkpoint's group size.
 - ``act_quant``: FORMATS.md ``activation_quant = "per_token_absmax_int8"``.
@@ -28,14 +29,15 @@ from references.formats import TernarySpec
 from references.ternary import check_codes, code_values
 
 WORD_CODES = 16  # 2-bit fields per int32 word
+FIELD_BIT = tuple(2 * (e // 2) + 16 * (e % 2) for e in range(WORD_CODES))
 
 
 @dataclass(frozen=True)
 class NativeTernary:
     """A ternary weight in the kernels' layout (see the module docstring)."""
 
-    qweight: torch.Tensor  # int32 (ceil(K/16), N)
-    scale: torch.Tensor  # float32 (G, N)
+    qweight: torch.Tensor  # int32 (N, ceil(K/16))
+    scale: torch.Tensor  # float32 (N, G)
     n: int
     k: int
     group_size: int  # 0: per output channel
@@ -43,12 +45,12 @@ class NativeTernary:
 
     def __post_init__(self) -> None:
         kw = -(-self.k // WORD_CODES)
-        if self.qweight.dtype != torch.int32 or tuple(self.qweight.shape) != (kw, self.n):
-            raise FormatError(f"native qweight must be int32 {(kw, self.n)}, got "
+        if self.qweight.dtype != torch.int32 or tuple(self.qweight.shape) != (self.n, kw):
+            raise FormatError(f"native qweight must be int32 {(self.n, kw)}, got "
                               f"{self.qweight.dtype} {tuple(self.qweight.shape)}")
         groups = 1 if self.group_size == 0 else self.k // self.group_size
-        if self.scale.dtype != torch.float32 or tuple(self.scale.shape) != (groups, self.n):
-            raise FormatError(f"native scale must be float32 {(groups, self.n)}, got "
+        if self.scale.dtype != torch.float32 or tuple(self.scale.shape) != (self.n, groups):
+            raise FormatError(f"native scale must be float32 {(self.n, groups)}, got "
                               f"{self.scale.dtype} {tuple(self.scale.shape)}")
         if self.qweight.device != self.scale.device:
             raise FormatError(f"native qweight on {self.qweight.device}, scale on {self.scale.device}")
@@ -101,29 +103,29 @@ def unpack_codes(packed: torch.Tensor, spec: TernarySpec) -> torch.Tensor:
 
 
 def pack_native(values: torch.Tensor) -> torch.Tensor:
-    """Ternary values ``(N, K)`` (any integer or float dtype, entries in {-1, 0, 1}) -> int32 ``(Kw, N)``."""
+    """Ternary values ``(N, K)`` (any integer or float dtype, entries in {-1, 0, 1}) -> int32 ``(N, Kw)``."""
     n, k = values.shape
     kw = -(-k // WORD_CODES)
-    v = values.to(torch.int64).t()  # (K, N)
+    v = values.to(torch.int64)
     field = (v != 0).to(torch.int64) | ((v < 0).to(torch.int64) << 1)
     if kw * WORD_CODES != k:
-        field = torch.cat([field, field.new_zeros(kw * WORD_CODES - k, n)])
-    field = field.reshape(kw, WORD_CODES, n)
-    words = torch.zeros(kw, n, dtype=torch.int64, device=values.device)
-    for j in range(WORD_CODES):
-        words |= field[:, j, :] << (2 * j)
+        field = torch.cat([field, field.new_zeros(n, kw * WORD_CODES - k)], dim=1)
+    field = field.reshape(n, kw, WORD_CODES)
+    words = torch.zeros(n, kw, dtype=torch.int64, device=values.device)
+    for e in range(WORD_CODES):
+        words |= field[:, :, e] << FIELD_BIT[e]
     # Bit 31 set -> the same bit pattern as a negative int32.
     return (words - ((words >> 31) << 32)).to(torch.int32).contiguous()
 
 
 def unpack_native(qweight: torch.Tensor, k: int) -> torch.Tensor:
     """Inverse of :func:`pack_native`: int8 values ``(N, K)``."""
-    kw, n = qweight.shape
-    shifts = 2 * torch.arange(WORD_CODES, device=qweight.device, dtype=torch.int32)
-    field = (qweight.unsqueeze(1) >> shifts.view(1, -1, 1)) & 3  # (Kw, 16, N)
-    field = field.reshape(kw * WORD_CODES, n)[:k]
+    n, kw = qweight.shape
+    shifts = torch.tensor(FIELD_BIT, device=qweight.device, dtype=torch.int32)
+    field = (qweight.unsqueeze(-1) >> shifts) & 3  # (N, Kw, 16)
+    field = field.reshape(n, kw * WORD_CODES)[:, :k]
     values = (field & 1) * (1 - (field & 2))  # 0b01 -> +1, 0b11 -> -1, 0b00 -> 0
-    return values.t().to(torch.int8).contiguous()
+    return values.to(torch.int8).contiguous()
 
 
 def native_weight(native: NativeTernary, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -131,8 +133,8 @@ def native_weight(native: NativeTernary, dtype: torch.dtype = torch.float32) -> 
     values = unpack_native(native.qweight, native.k).to(dtype)
     s = native.scale.to(dtype)
     if native.group_size == 0:
-        return values * s.reshape(-1, 1)
-    return values * s.t().repeat_interleave(native.group_size, dim=1)
+        return values * s
+    return values * s.repeat_interleave(native.group_size, dim=1)
 
 
 def _native_group(spec: TernarySpec, k: int) -> int:
@@ -158,7 +160,5 @@ def _native_scale(scale: torch.Tensor, spec: TernarySpec, n: int, k: int, name: 
         s = 1.0 / s
     s = s.to(torch.float32)
     if spec.scale_granularity == "tensor":
-        return s.reshape(1, 1).expand(1, n).contiguous()
-    if spec.scale_granularity == "channel" or _native_group(spec, k) == 0:
-        return s.reshape(1, n).contiguous()
-    return s.t().contiguous()  # (G, N): one row of scales per group, N contiguous like qweight
+        return s.reshape(1, 1).expand(n, 1).contiguous()
+    return s.reshape(n, -1).contiguous()  # (N, 1) per channel, (N, K / group_size) per group

@@ -26,10 +26,11 @@ import triton.language as tl
 from kernels.ternary_repack import WORD_CODES
 
 # Bit pattern of int32 0xC0000000: the two bits a field is shifted into (fp32 sign and exponent MSB).
-_FIELD_MASK = -1073741824
+_FIELD_MASK = tl.constexpr(-1073741824)
 # 1.5 * 2**23: adding and subtracting it rounds |v| < 2**22 to the nearest integer, ties to even.
-_RINT_MAGIC = 12582912.0
+_RINT_MAGIC = tl.constexpr(12582912.0)
 
+# SCALE_MODE of the kernels: one scale per channel (epilogue), per K tile, per element.
 SCALE_CHANNEL, SCALE_GROUP_TILE, SCALE_GROUP_ELEMENT = 0, 1, 2
 
 
@@ -65,51 +66,112 @@ def _act_quant_kernel(x_ptr, xq_ptr, sx_ptr, K, stride_xm, stride_xk,
 
 
 @triton.jit
+def _field(w, e: tl.constexpr):
+    """Weight e (= k % 16) of each int32 word as fp32 +-2.0 or 0: its field moved onto bits 30..31."""
+    return ((w << (30 - (2 * (e // 2) + 16 * (e % 2)))) & _FIELD_MASK).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pair(w, i: tl.constexpr):
+    """Weights 2i and 2i+1 of each word as 16-bit patterns of +-2.0 / 0 (fp16 and bf16 alike).
+
+    One shift and one AND leave both fields in place as a packed half2; the asm only names its halves.
+    """
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; and.b32 t, $2, 0xC000C000; mov.b32 {$0, $1}, t; }",
+        "=h,=h,r", [w << (14 - 2 * i)], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+
+
+@triton.jit
+def _decode16(w, R: tl.constexpr, C: tl.constexpr, DT: tl.constexpr):
+    """Words ``(R, C)`` -> weights ``(R, 16 * C)`` as fp16 / bf16 +-2 / 0, in k order (GPU only)."""
+    e0, e1 = _pair(w, 0)
+    e2, e3 = _pair(w, 1)
+    e4, e5 = _pair(w, 2)
+    e6, e7 = _pair(w, 3)
+    e8, e9 = _pair(w, 4)
+    e10, e11 = _pair(w, 5)
+    e12, e13 = _pair(w, 6)
+    e14, e15 = _pair(w, 7)
+    # Same join order as _decode: the last join pairs e with e + 1, so each pair stays one register.
+    q0 = tl.join(tl.join(e0, e8), tl.join(e4, e12))
+    q1 = tl.join(tl.join(e1, e9), tl.join(e5, e13))
+    q2 = tl.join(tl.join(e2, e10), tl.join(e6, e14))
+    q3 = tl.join(tl.join(e3, e11), tl.join(e7, e15))
+    d = tl.join(tl.join(q0, q2), tl.join(q1, q3))
+    return tl.reshape(d, (R, C * 16)).to(DT, bitcast=True)
+
+
+@triton.jit
+def _decode(w, R: tl.constexpr, C: tl.constexpr):
+    """Words ``(R, C)`` -> weights ``(R, 16 * C)`` (fp32 +-2 / 0) in k order.
+
+    tl.join keeps the new axis inside a thread, so all 16 fields of a word stay in registers;
+    each level selects one bit of the field index, most significant first, so that the row-major
+    flattening of the four new axes is the field index (= k % 16).
+    """
+    p0 = tl.join(_field(w, 0), _field(w, 8))
+    p1 = tl.join(_field(w, 1), _field(w, 9))
+    p2 = tl.join(_field(w, 2), _field(w, 10))
+    p3 = tl.join(_field(w, 3), _field(w, 11))
+    p4 = tl.join(_field(w, 4), _field(w, 12))
+    p5 = tl.join(_field(w, 5), _field(w, 13))
+    p6 = tl.join(_field(w, 6), _field(w, 14))
+    p7 = tl.join(_field(w, 7), _field(w, 15))
+    q0 = tl.join(p0, p4)
+    q1 = tl.join(p1, p5)
+    q2 = tl.join(p2, p6)
+    q3 = tl.join(p3, p7)
+    r0 = tl.join(q0, q2)
+    r1 = tl.join(q1, q3)
+    return tl.reshape(tl.join(r0, r1), (R, C * 16))
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, sx_ptr, y_ptr,
-                 N, K, KW, GS, stride_xm, stride_xk, stride_ym,
+                 N, K, KW, G, GS, stride_xm, stride_xk, stride_ym,
                  SCALE_MODE: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                  BN: tl.constexpr, BKW: tl.constexpr):
+    BK: tl.constexpr = BKW * 16
     m = tl.program_id(0)  # fastest: the M programs of one weight tile run together and share it in L2
     pid_n = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_w = tl.arange(0, BKW)
+    offs_k = tl.arange(0, BK)
     n_mask = offs_n < N
     x_row = x_ptr + m * stride_xm
-    acc = tl.zeros([BKW, BN], dtype=tl.float32)
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    acc1 = tl.zeros([BN], dtype=tl.float32)
     for kw0 in range(0, KW, BKW):
         kw = kw0 + offs_w
-        w_ptrs = qw_ptr + kw[:, None] * N + offs_n[None, :]
+        k = kw0 * 16 + offs_k
+        w_ptrs = qw_ptr + offs_n[:, None] * KW + kw[None, :]
         if EVEN_K and EVEN_N:
             w = tl.load(w_ptrs)
         else:
-            w = tl.load(w_ptrs, mask=(kw[:, None] < KW) & n_mask[None, :], other=0)
-        if SCALE_MODE == 1:
-            part = tl.zeros([BKW, BN], dtype=tl.float32)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & (kw[None, :] < KW), other=0)
+        if EVEN_K:
+            xk = tl.load(x_row + k * stride_xk)
         else:
-            part = acc
-        for j in tl.static_range(16):
-            k = kw * 16 + j
-            if EVEN_K:
-                xj = tl.load(x_row + k * stride_xk)
-            else:
-                xj = tl.load(x_row + k * stride_xk, mask=k < K, other=0.0)
-            # Halved once here, so the +-2.0 decoded weights contribute exactly +-x.
-            xj = xj.to(tl.float32) * 0.5
-            f = ((w << (30 - 2 * j)) & _FIELD_MASK).to(tl.float32, bitcast=True)
-            if SCALE_MODE == 2:
-                sj = tl.load(s_ptr + (k // GS)[:, None] * N + offs_n[None, :],
-                             mask=(k[:, None] < K) & n_mask[None, :], other=0.0)
-                part += (f * sj) * xj[:, None]
-            else:
-                part += f * xj[:, None]
-        if SCALE_MODE == 1:
-            s = tl.load(s_ptr + ((kw * 16) // GS)[:, None] * N + offs_n[None, :],
-                        mask=(kw[:, None] < KW) & n_mask[None, :], other=0.0)
-            acc += part * s
+            xk = tl.load(x_row + k * stride_xk, mask=k < K, other=0.0)
+        # Halved once per tile, so the +-2.0 decoded weights contribute exactly +-x.
+        xk = xk.to(tl.float32) * 0.5
+        f = _decode(w, BN, BKW)
+        if SCALE_MODE == 0:
+            acc += f * xk[None, :]
+        elif SCALE_MODE == 1:
+            # The tile lies in one group: reduce it, then scale per channel.
+            s = tl.load(s_ptr + offs_n * G + (kw0 * 16) // GS, mask=n_mask, other=0.0)
+            acc1 += tl.sum(f * xk[None, :], axis=1) * s
         else:
-            acc = part
-    y = tl.sum(acc, axis=0)
+            s = tl.load(s_ptr + offs_n[:, None] * G + (k // GS)[None, :],
+                        mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
+            acc += (f * s) * xk[None, :]
+    if SCALE_MODE == 1:
+        y = acc1
+    else:
+        y = tl.sum(acc, axis=1)
     if SCALE_MODE == 0:
         y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
     if ACT_QUANT:
@@ -121,10 +183,10 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, sx_ptr, y_ptr,
 
 @triton.jit
 def _mm_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, sx_ptr, y_ptr,
-               M, N, K, KW, GS, stride_xm, stride_xk, stride_ym,
+               M, N, K, KW, G, GS, stride_xm, stride_xk, stride_ym,
                SCALE_MODE: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
                EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-               EXPAND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+               SWAP_AB: tl.constexpr, ASM_DECODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                GROUP_M: tl.constexpr):
     BK: tl.constexpr = BKW * 16
     pid = tl.program_id(0)
@@ -142,38 +204,48 @@ def _mm_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, sx_ptr, y_ptr,
     n_mask = offs_n < N
     offs_k = tl.arange(0, BK)
     offs_w = tl.arange(0, BKW)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
     for kw0 in range(0, KW, BKW):
         k = kw0 * 16 + offs_k
+        kw = kw0 + offs_w
         a_ptrs = x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk
         if EVEN_K:
             a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=m_mask[:, None] & (k[None, :] < K), other=0.0)
-        if EXPAND == 0:
-            # Load each word once and fan its 16 fields out along a middle axis: (BKW, 16, BN) -> (BK, BN).
-            kw = kw0 + offs_w
-            w = tl.load(qw_ptr + kw[:, None] * N + offs_n[None, :],
-                        mask=(kw[:, None] < KW) & n_mask[None, :], other=0)
-            sh = 30 - 2 * tl.arange(0, 16)
-            bits = (w[:, None, :] << sh[None, :, None]) & _FIELD_MASK
-            bits = tl.reshape(bits, (BK, BN))
+        w = tl.load(qw_ptr + offs_n[:, None] * KW + kw[None, :],
+                    mask=n_mask[:, None] & (kw[None, :] < KW), other=0)
+        if ASM_DECODE:
+            f = _decode16(w, BN, BKW, DOT_DTYPE)  # (BN, BK) +-2 / 0
         else:
-            # One (cached) load per element: simpler code, more load instructions.
-            w = tl.load(qw_ptr + (k // 16)[:, None] * N + offs_n[None, :],
-                        mask=(k[:, None] < KW * 16) & n_mask[None, :], other=0)
-            bits = (w << (30 - 2 * (k % 16))[:, None]) & _FIELD_MASK
-        b32 = bits.to(tl.float32, bitcast=True)
-        if SCALE_MODE == 0:
-            acc = tl.dot(a.to(DOT_DTYPE), b32.to(DOT_DTYPE), acc, input_precision=PRECISION)
-        elif SCALE_MODE == 1:
+            f = _decode(w, BN, BKW)  # (BN, BK) fp32 +-2 / 0
+        if SCALE_MODE == 2:
+            s = tl.load(s_ptr + offs_n[:, None] * G + (k // GS)[None, :],
+                        mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
+            a = a.to(tl.float32)
+            f = f * s
+        else:
+            a = a.to(DOT_DTYPE)
+            f = f.to(DOT_DTYPE)
+        # SWAP_AB computes y^T = W x^T: the decoded weights fill the MMA's M side when M is small.
+        if SCALE_MODE == 1:
             # BK divides the group size: one scale per channel for the whole tile.
-            s = tl.load(s_ptr + ((kw0 * 16) // GS) * N + offs_n, mask=n_mask, other=0.0)
-            acc += tl.dot(a.to(DOT_DTYPE), b32.to(DOT_DTYPE), input_precision=PRECISION) * s[None, :]
+            s = tl.load(s_ptr + offs_n * G + (kw0 * 16) // GS, mask=n_mask, other=0.0)
+            if SWAP_AB:
+                acc += tl.dot(f, tl.trans(a), input_precision=PRECISION) * s[:, None]
+            else:
+                acc += tl.dot(a, tl.trans(f), input_precision=PRECISION) * s[None, :]
         else:
-            s = tl.load(s_ptr + (k // GS)[:, None] * N + offs_n[None, :],
-                        mask=(k[:, None] < K) & n_mask[None, :], other=0.0)
-            acc = tl.dot(a.to(tl.float32), b32 * s, acc, input_precision="ieee")
+            prec: tl.constexpr = "ieee" if SCALE_MODE == 2 else PRECISION
+            if SWAP_AB:
+                acc = tl.dot(f, tl.trans(a), acc, input_precision=prec)
+            else:
+                acc = tl.dot(a, tl.trans(f), acc, input_precision=prec)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     y = acc * 0.5  # the decoded weights are +-2
     if SCALE_MODE == 0:
         y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
@@ -191,29 +263,33 @@ def _mm_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, sx_ptr, y_ptr,
 
 def gemv_config(m: int, n: int, k: int) -> dict:
     if interpreting():
-        return {"BN": 16, "BKW": 4, "num_warps": 1, "num_stages": 1}
-    bn = 16 if n <= 4096 else 32
-    return {"BN": bn, "BKW": 128, "num_warps": 4, "num_stages": 3}
+        return {"BN": 32, "BKW": 8, "num_warps": 1, "num_stages": 1}
+    return {"BN": 16 if n <= 4096 else 32, "BKW": 16, "num_warps": 4, "num_stages": 3}
 
 
 def mm_config(m: int, n: int, k: int) -> dict:
     if interpreting():
-        return {"BM": 16, "BN": 32, "BKW": 4, "GROUP_M": 4, "EXPAND": 0, "num_warps": 1, "num_stages": 1}
+        return {"BM": 16, "BN": 32, "BKW": 4, "GROUP_M": 4, "num_warps": 1, "num_stages": 1}
     if m <= 16:
-        return {"BM": 16, "BN": 64, "BKW": 8, "GROUP_M": 1, "EXPAND": 0, "num_warps": 4, "num_stages": 4}
+        return {"BM": 16, "BN": 64, "BKW": 8, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
     if m <= 64:
-        return {"BM": 64, "BN": 64, "BKW": 4, "GROUP_M": 1, "EXPAND": 0, "num_warps": 4, "num_stages": 4}
-    return {"BM": 128, "BN": 128, "BKW": 4, "GROUP_M": 8, "EXPAND": 0, "num_warps": 8, "num_stages": 3}
+        return {"BM": 64, "BN": 64, "BKW": 4, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+    return {"BM": 128, "BN": 128, "BKW": 4, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 
 
 # --------------------------------------------------------------------------------------------
 # launchers
 
 
-def _scale_mode(group_size: int, k: int, tile_k: int) -> int:
+def _fit_group(cfg: dict, group_size: int) -> int:
+    """Shrink the K tile so that it never straddles a group; returns the kernels' SCALE_MODE."""
     if group_size == 0:
         return SCALE_CHANNEL
-    return SCALE_GROUP_TILE if group_size % tile_k == 0 else SCALE_GROUP_ELEMENT
+    if group_size % WORD_CODES:
+        return SCALE_GROUP_ELEMENT
+    while group_size % (cfg["BKW"] * WORD_CODES):
+        cfg["BKW"] //= 2
+    return SCALE_GROUP_TILE
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,9 +298,10 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xq = torch.empty((m, k), dtype=torch.bfloat16, device=x.device)
     sx = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
+        # Without FMA fusion x * s_x is rounded to fp32 before rounding to an integer, as in torch.
         extra = {} if interpreting() else {"enable_fp_fusion": False}
-        _act_quant_kernel[(m,)](x, xq, sx, k, x.stride(0), x.stride(1), BLOCK_K=1024 if k > 512 else 128,
-                                num_warps=4, **extra)
+        _act_quant_kernel[(m,)](x, xq, sx, k, x.stride(0), x.stride(1),
+                                BLOCK_K=1024 if k > 512 else 128, num_warps=4, **extra)
     return xq, sx
 
 
@@ -239,47 +316,47 @@ def ternary_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, 
         raise ValueError(f"x must be (M, {k}), got {tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
+    if kernel not in ("gemv", "mm"):
+        raise ValueError(f"unknown triton kernel {kernel!r}; expected 'gemv' or 'mm'")
     m = x.shape[0]
-    kw, n = qweight.shape
+    n, kw = qweight.shape
+    g = scale.shape[1]
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    if k == 0:
-        return out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
     if act_quant_flag:
         xa, sx = act_quant(x)
     else:
         xa, sx = x, scale  # sx unused
     b = bias if bias is not None else scale  # unused when HAS_BIAS is False
     common = dict(ACT_QUANT=act_quant_flag, HAS_BIAS=bias is not None)
+    fusion = {} if interpreting() else {"enable_fp_fusion": True}
     if kernel == "gemv":
         cfg = dict(gemv_config(m, n, k), **(config or {}))
+        scale_mode = _fit_group(cfg, group_size)
         even_k = k == kw * WORD_CODES and kw % cfg["BKW"] == 0
         grid = (m, triton.cdiv(n, cfg["BN"]))
-        _gemv_kernel[grid](xa, qweight, scale, b, sx, out, n, k, kw, max(group_size, 1),
+        _gemv_kernel[grid](xa, qweight, scale, b, sx, out, n, k, kw, g, max(group_size, 1),
                            xa.stride(0), xa.stride(1), out.stride(0),
-                           SCALE_MODE=_scale_mode(group_size, k, WORD_CODES),
-                           EVEN_K=even_k, EVEN_N=n % cfg["BN"] == 0, **common, **cfg)
+                           SCALE_MODE=scale_mode, EVEN_K=even_k, EVEN_N=n % cfg["BN"] == 0,
+                           **common, **cfg, **fusion)
         return out
-    if kernel != "mm":
-        raise ValueError(f"unknown triton kernel {kernel!r}; expected 'gemv' or 'mm'")
     cfg = dict(mm_config(m, n, k), **(config or {}))
-    if group_size and group_size % WORD_CODES == 0:
-        # A tile never straddles a group: shrink BK to the largest power of two dividing the group.
-        while (cfg["BKW"] * WORD_CODES) > group_size or group_size % (cfg["BKW"] * WORD_CODES):
-            cfg["BKW"] //= 2
-    scale_mode = _scale_mode(group_size, k, cfg["BKW"] * WORD_CODES)
+    scale_mode = _fit_group(cfg, group_size)
     if act_quant_flag:
         dot_dtype, precision = tl.bfloat16, "ieee"  # integers up to 128 and +-2 are exact in bf16
     elif x.dtype == torch.float32:
         dot_dtype, precision = tl.float32, "tf32x3"  # weights exact in tf32, x split in two parts
     else:
         dot_dtype, precision = (tl.float16 if x.dtype == torch.float16 else tl.bfloat16), "ieee"
+    if dot_dtype == tl.bfloat16 and interpreting():
+        # The interpreter multiplies bf16 tiles as their raw uint16 bits; fp32 holds them exactly.
+        dot_dtype = tl.float32
     even_k = k == kw * WORD_CODES and kw % cfg["BKW"] == 0
     grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
-    _mm_kernel[grid](xa, qweight, scale, b, sx, out, m, n, k, kw, max(group_size, 1),
+    _mm_kernel[grid](xa, qweight, scale, b, sx, out, m, n, k, kw, g, max(group_size, 1),
                      xa.stride(0), xa.stride(1), out.stride(0),
                      SCALE_MODE=scale_mode, EVEN_K=even_k, DOT_DTYPE=dot_dtype, PRECISION=precision,
-                     **common, **cfg)
+                     **common, **cfg, **fusion)
     return out

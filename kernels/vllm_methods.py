@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
+from vllm.distributed import tensor_model_parallel_all_gather
 from vllm.model_executor.layers.linear import (
     LinearMethodBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    RowParallelLinear,
     register_weight_loader_v2_supported_method,
 )
 from vllm.model_executor.parameter import (
@@ -292,7 +294,14 @@ class TernaryLinearMethod(LinearMethodBase):
             sizes = torch.tensor(parts, device=scale.device)
             scale = torch.repeat_interleave(scale, sizes)
             spec = dataclasses.replace(spec, scale_granularity="channel")
-        layer.parity_native = ternary_ops.repack(packed, scale, spec, layer.parity_n, layer.parity_k)
+        native = ternary_ops.repack(packed, scale, spec, layer.parity_n, layer.parity_k)
+        # A row-parallel rank sees only its slice of each token's features, but the per-token absmax
+        # of activation_quant is over the whole row: quantize here with the all-ranks max instead.
+        layer.parity_global_act_quant = (native.act_quant and isinstance(layer, RowParallelLinear)
+                                         and layer.tp_size > 1)
+        if layer.parity_global_act_quant:
+            native = dataclasses.replace(native, act_quant=False)
+        layer.parity_native = native
         layer.parity_backend = kernel_backend(packed.device)
         _release(layer, (spec.weight_name, spec.scale_name))
 
@@ -300,22 +309,43 @@ class TernaryLinearMethod(LinearMethodBase):
         ternary_ops = _ternary_ops()
 
         x2 = x.reshape(-1, x.shape[-1])
-        y = ternary_ops.ternary_linear(x2, layer.parity_native, bias=bias, backend=layer.parity_backend)
+        if layer.parity_global_act_quant:
+            xf = x2.to(torch.float32)
+            amax = tensor_model_parallel_all_gather(xf.abs().amax(dim=-1, keepdim=True)).amax(dim=-1, keepdim=True)
+            s_x = 127.0 / amax.clamp(min=1e-5)
+            x_q = (xf * s_x).round().clamp(-128, 127).to(x.dtype)  # integers: exact in fp16 / bf16
+            y = ternary_ops.ternary_linear(x_q, layer.parity_native, bias=None, backend=layer.parity_backend)
+            y = (y.to(torch.float32) / s_x).to(x.dtype)
+            if bias is not None:
+                y = y + bias
+        else:
+            y = ternary_ops.ternary_linear(x2, layer.parity_native, bias=bias, backend=layer.parity_backend)
         return y.reshape(*x.shape[:-1], layer.parity_n)
+
+
+_FALLBACK = None
 
 
 def _ternary_ops():
     """TEMPORARY until kernels/ternary_ops.py lands: its API over ternary_repack + a dense torch product."""
+    global _FALLBACK
+    if _FALLBACK is not None:
+        return _FALLBACK
     try:
         from kernels import ternary_ops
+        _FALLBACK = ternary_ops
         return ternary_ops
     except ImportError:
         import types
 
         from kernels import ternary_repack
 
+        cache = {}
+
         def ternary_linear(x, native, bias=None, backend=None):
-            w = ternary_repack.native_weight(native, torch.float32)
+            if id(native.qweight) not in cache:
+                cache[id(native.qweight)] = ternary_repack.native_weight(native, torch.float32)
+            w = cache[id(native.qweight)]
             xf = x.to(torch.float32)
             if native.act_quant:
                 s_x = 127.0 / xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
@@ -325,7 +355,8 @@ def _ternary_ops():
             y = y.to(x.dtype)
             return y if bias is None else y + bias
 
-        return types.SimpleNamespace(repack=ternary_repack.repack, ternary_linear=ternary_linear)
+        _FALLBACK = types.SimpleNamespace(repack=ternary_repack.repack, ternary_linear=ternary_linear)
+        return _FALLBACK
 
 
 def _check_null_codes(tracker: LoadTracker, tensor: str, packed: torch.Tensor, spec: TernarySpec) -> None:

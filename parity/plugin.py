@@ -1,22 +1,22 @@
-"""pytest plugin: the ``--parity-*`` options, level selection, the op -> block -> model funnel.
+"""pytest plugin: the ``--parity-*`` options, the per-tap items, the op -> block -> model funnel.
 
-With ``--parity-level=L`` only parity items run: tests marked ``@pytest.mark.parity(level=...)`` at
-level L or below, ordered op -> block -> model. A level whose lower level failed is skipped with a
-reason naming the first failure below it (``--parity-no-funnel`` runs them all regardless). Each run
-writes ``summary.md`` and ``results.json`` under ``--parity-report`` (default ``reports/<run-id>/``).
+With ``--parity-level=L`` only parity items run: one built-in item per canonical tap up to level L
+(``test_parity[block-layers.3.output]``), the model-level checks, and user tests marked
+``@pytest.mark.parity(level=...)``, ordered op -> block -> model. A level whose lower level failed is
+skipped with a reason naming the first failure below it (``--parity-no-funnel`` runs them all).
+Without ``--parity-level`` pytest runs as usual.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-LEVELS = ("op", "block", "model")
+from parity.session import CANDIDATES, LEVELS, Options, ParitySession
+from parity.taps import level_of
+
+MODEL_CHECKS = ("greedy", "topk")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -27,27 +27,138 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="run every level even when a lower level failed")
     g.addoption("--parity-model", default=None, metavar="DIR",
                 help="checkpoint directory of shared FORMATS.md (default: the embedded default model)")
-    g.addoption("--parity-format", default=None, help="override the checkpoint's quantization format")
-    g.addoption("--parity-mode", choices=("propagated", "isolated"), default="propagated",
-                help="propagated: both sides run free; isolated: each layer gets the reference's input")
+    g.addoption("--parity-candidate", choices=CANDIDATES, default="vllm",
+                help="vllm: the real engine with the plugin; kernels: the reference's modeling code with "
+                     "the kernel linears (no vLLM needed)")
+    g.addoption("--parity-mode", choices=("propagated",), default="propagated",
+                help="propagated: both sides run free from the same token ids")
     g.addoption("--parity-prompts", default=None, metavar="FILE",
                 help="JSON array of token-id arrays (default fixtures/prompts/default.json)")
     g.addoption("--parity-taps", default=None, metavar="GLOB", help="compare only taps matching GLOB")
-    g.addoption("--parity-against", choices=("live", "golden"), default="live",
-                help="compare with the live fp32 reference or with stored golden dumps")
     g.addoption("--parity-tolerances", default=None, metavar="FILE", help="TOML file of per-tap tolerances")
+    g.addoption("--parity-dump-dir", default=None, metavar="DIR",
+                help="keep both sides' dumps in DIR/reference and DIR/candidate (default: a temporary dir)")
     g.addoption("--parity-snapshot-dir", default=".parity/snapshots", metavar="DIR",
                 help="where failing taps are kept (default .parity/snapshots)")
     g.addoption("--parity-report", default=None, metavar="DIR", help="report directory (default reports/<run-id>)")
     g.addoption("--parity-keep", type=int, default=20, metavar="N", help="keep the newest N snapshot runs")
     g.addoption("--parity-snapshot-max-gb", type=float, default=2.0, metavar="GB",
                 help="keep snapshots under this many GB")
-    g.addoption("--parity-pdb", action="store_true", help="stop at the first divergence with both tensors loaded")
+    g.addoption("--parity-greedy-tokens", type=int, default=8, metavar="N",
+                help="tokens of greedy continuation compared at the model level")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "parity(level): a parity item at level op, block or model")
-    config._parity = _ParityRun(config) if config.getoption("--parity-level") else None
+    config._parity_state = _State(config) if config.getoption("--parity-level") else None
+
+
+def _options(config: pytest.Config) -> Options:
+    from parity.tolerances import load
+
+    opt = config.getoption
+    return Options(
+        model=opt("--parity-model"), prompts=opt("--parity-prompts"), level=opt("--parity-level"),
+        mode=opt("--parity-mode"), taps=opt("--parity-taps"), candidate=opt("--parity-candidate"),
+        tolerances=load(opt("--parity-tolerances"), Path(config.rootpath) / "pyproject.toml"),
+        dump_dir=opt("--parity-dump-dir"), report_dir=opt("--parity-report"),
+        snapshot_dir=opt("--parity-snapshot-dir"), keep=opt("--parity-keep"),
+        snapshot_max_gb=opt("--parity-snapshot-max-gb"), greedy_tokens=opt("--parity-greedy-tokens"),
+        root=str(config.rootpath), command=["pytest", *config.invocation_params.args],
+    )
+
+
+class _State:
+    def __init__(self, config: pytest.Config):
+        self.config = config
+        self.session: ParitySession | None = None
+        self.failures: list[tuple[str, str]] = []
+
+    def parity(self) -> ParitySession:
+        if self.session is None:
+            self.session = ParitySession(_options(self.config))
+        return self.session
+
+
+class ParityCollector(pytest.Collector):
+    def collect(self):
+        return []
+
+
+class TapFailure(AssertionError):
+    pass
+
+
+class ParityItem(pytest.Item):
+    """One canonical tap (or one model-level check) of the run."""
+
+    def __init__(self, *, check: str, level: str, **kwargs):
+        super().__init__(**kwargs)
+        self.check, self.level = check, level
+        self.add_marker(pytest.mark.parity(level=level))
+
+    def runtest(self) -> None:
+        session = self.config._parity_state.parity()
+        if self.check in MODEL_CHECKS:
+            result = session.greedy() if self.check == "greedy" else session.topk()
+            for k in ("agree", "total", "k"):
+                if k in result:
+                    self.user_properties.append((k, result[k]))
+            if not result["passed"]:
+                raise TapFailure(_describe_check(self.check, result))
+            return
+        r = session.run()[self.check]
+        if r.metrics is not None:
+            for k, v in r.as_dict()["metrics"].items():
+                self.user_properties.append((k, v))
+            self.user_properties.append(("min_atol", r.metrics.min_atol))
+        self.user_properties.append(("atol", r.tolerance.atol))
+        if not r.passed:
+            raise TapFailure(r.message)
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, TapFailure):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo, style)
+
+    def reportinfo(self):
+        return self.path, None, f"parity {self.check}"
+
+
+def _describe_check(check: str, result: dict) -> str:
+    if check == "greedy":
+        bad = [r for r in result["prompts"] if r["first_mismatch"] is not None]
+        r = bad[0]
+        i = r["first_mismatch"]
+        return (f"greedy continuation differs for {len(bad)} prompt(s); prompt {r['prompt']} first at step {i}: "
+                f"reference {r['reference'][i]}, candidate {r['candidate'][i]} "
+                f"(reference {r['reference']}, candidate {r['candidate']})")
+    return (f"top-{result['k']} agreement {result['agree']}/{result['total']} positions; "
+            f"disagreeing at {result['disagree_at']}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    state: _State | None = config._parity_state
+    if state is None:
+        return
+    top = LEVELS.index(config.getoption("--parity-level"))
+    keep, drop = [], []
+    for item in items:
+        level = _level_of(item)
+        (keep if level is not None and LEVELS.index(level) <= top else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    parity = state.parity()
+    parent = ParityCollector.from_parent(session, name="parity", path=Path(__file__), nodeid="parity")
+    builtin = [ParityItem.from_parent(parent, name=f"test_parity[{level_of(t)}-{t}]", check=t, level=level_of(t))
+               for t in parity.taps()]
+    if top == LEVELS.index("model") and not config.getoption("--parity-taps"):
+        builtin += [ParityItem.from_parent(parent, name=f"test_parity[model-{c}]", check=c, level="model")
+                    for c in MODEL_CHECKS]
+    keep += builtin
+    keep.sort(key=lambda it: LEVELS.index(_level_of(it)))  # stable: kernel tests, then taps, per level
+    items[:] = keep
 
 
 def _level_of(item: pytest.Item) -> str | None:
@@ -60,27 +171,12 @@ def _level_of(item: pytest.Item) -> str | None:
     return level
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    run: _ParityRun | None = config._parity
-    if run is None:
-        return
-    top = LEVELS.index(config.getoption("--parity-level"))
-    keep, drop = [], []
-    for item in items:
-        level = _level_of(item)
-        (keep if level is not None and LEVELS.index(level) <= top else drop).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-    keep.sort(key=lambda it: LEVELS.index(_level_of(it)))  # stable: file order within a level
-    items[:] = keep
-
-
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    run: _ParityRun | None = item.config._parity
-    if run is None or item.config.getoption("--parity-no-funnel"):
+    state: _State | None = item.config._parity_state
+    if state is None or item.config.getoption("--parity-no-funnel"):
         return
     level = _level_of(item)
-    below = [f for f in run.failures if LEVELS.index(f[1]) < LEVELS.index(level)]
+    below = [f for f in state.failures if LEVELS.index(f[1]) < LEVELS.index(level)]
     if below:
         nodeid, lvl = below[0]
         pytest.skip(f"funnel: level {lvl!r} failed first at {nodeid}; no {level}-level comparison "
@@ -90,77 +186,67 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call):
     report = yield
-    run: _ParityRun | None = item.config._parity
-    if run is not None and (report.when == "call" or report.failed or report.skipped):
-        run.record(item, report)
+    state: _State | None = item.config._parity_state
+    if state is not None and report.failed:
+        level = _level_of(item)
+        if level is not None and not any(n == item.nodeid for n, _ in state.failures):
+            state.failures.append((item.nodeid, level))
     return report
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    run: _ParityRun | None = session.config._parity
-    if run is not None:
-        run.write()
+    state: _State | None = session.config._parity_state
+    if state is not None and state.session is not None:
+        state.session.finish()
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
-    run: _ParityRun | None = config._parity
-    if run is None:
+    state: _State | None = config._parity_state
+    if state is None:
         return
     terminalreporter.section("parity")
-    if run.failures:
-        nodeid, level = run.failures[0]
-        terminalreporter.write_line(f"first divergence: {nodeid} (level {level})")
-    else:
-        terminalreporter.write_line(f"no divergence up to level {config.getoption('--parity-level')!r}")
-    if run.report_dir is not None:
-        terminalreporter.write_line(f"report: {run.report_dir}")
+    s = state.session
+    if s is not None and s.results is not None:
+        from parity.compare import first_divergence
+
+        first = first_divergence(list(s.results.values()))
+        sources = [r for r in s.results.values() if r.role == "source"]
+        if first is None:
+            terminalreporter.write_line(f"no divergence over {len(s.results)} taps "
+                                        f"(model {s.model_dir}, candidate {s.opts.candidate})")
+        else:
+            terminalreporter.write_line(f"first divergence: {first.name} (layer {first.layer})", red=True)
+            for r in sources:
+                terminalreporter.write_line(f"  source {r.message}")
+            inherited = sum(1 for r in s.results.values() if r.role == "inherited")
+            if inherited:
+                terminalreporter.write_line(f"  {inherited} later failing tap(s) inherit from these sources")
+    elif s is not None and s.error is not None:
+        terminalreporter.write_line(f"the parity run failed before comparing: {s.error!r}", red=True)
+    elif state.failures:
+        terminalreporter.write_line(f"first failure: {state.failures[0][0]} (level {state.failures[0][1]})")
+    if s is not None and s.report_dir is not None:
+        terminalreporter.write_line(f"report: {s.report_dir / 'report.html'}")
+    if s is not None and s.snapshot is not None:
+        terminalreporter.write_line(f"snapshot of the failing taps: {s.snapshot}")
 
 
-class _ParityRun:
-    """Outcomes of the parity items of one session, in run order."""
+@pytest.fixture(scope="session")
+def parity_run(pytestconfig) -> ParitySession:
+    """The session's parity run (model, prompts, both dumps, results); needs ``--parity-level``."""
+    state: _State | None = pytestconfig._parity_state
+    if state is None:
+        pytest.skip("parity fixtures need --parity-level")
+    return state.parity()
 
-    def __init__(self, config: pytest.Config):
-        self.config = config
-        self.id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
-        self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        self.results: dict[str, dict] = {}
-        self.failures: list[tuple[str, str]] = []
-        self.report_dir: Path | None = None
 
-    def record(self, item: pytest.Item, report: pytest.TestReport) -> None:
-        level = _level_of(item)
-        outcome = "skipped" if report.skipped else report.outcome
-        entry = self.results.setdefault(item.nodeid, {"level": level, "outcome": outcome, "duration_s": 0.0})
-        entry["duration_s"] += report.duration
-        if report.failed:
-            entry["outcome"] = "failed"
-            entry["message"] = str(report.longrepr)[-2000:]
-            if not any(n == item.nodeid for n, _ in self.failures):
-                self.failures.append((item.nodeid, level))
-        elif report.skipped and entry["outcome"] != "failed":
-            entry["outcome"] = "skipped"
-            entry["message"] = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
+@pytest.fixture(scope="session")
+def parity_reference(parity_run):
+    parity_run.run()
+    return parity_run.reference
 
-    def write(self) -> None:
-        opt = self.config.getoption
-        root = Path(opt("--parity-report") or Path(self.config.rootpath) / "reports" / self.id)
-        root.mkdir(parents=True, exist_ok=True)
-        data = {
-            "run": {"id": self.id, "started": self.started, "level": opt("--parity-level"),
-                    "model": opt("--parity-model") or "embedded-default", "mode": opt("--parity-mode")},
-            "items": self.results,
-            "first_failure": ({"nodeid": self.failures[0][0], "level": self.failures[0][1]}
-                              if self.failures else None),
-            "passed": not self.failures,
-        }
-        tmp = root / f".results.json.{os.getpid()}"
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, root / "results.json")
-        lines = [f"# parity run {self.id}", "", f"level: {data['run']['level']} · model: {data['run']['model']}",
-                 "", "| level | item | outcome | seconds |", "| --- | --- | --- | --- |"]
-        for nodeid, r in self.results.items():
-            lines.append(f"| {r['level']} | `{nodeid}` | {r['outcome']} | {r['duration_s']:.2f} |")
-        if self.failures:
-            lines += ["", f"First failure: `{self.failures[0][0]}` ({self.failures[0][1]})"]
-        (root / "summary.md").write_text("\n".join(lines) + "\n")
-        self.report_dir = root
+
+@pytest.fixture(scope="session")
+def parity_candidate(parity_run):
+    parity_run.run()
+    return parity_run.candidate

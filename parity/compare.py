@@ -1,0 +1,127 @@
+"""Comparing two dumps tap by tap: metrics, tolerance, growth bound, source versus inherited."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from parity.dumps import DumpReader
+from parity.metrics import Metrics, ShapeMismatch, Tolerance, compare, describe, passes
+from parity.taps import LEVEL_BLOCK, layer_of, level_of
+from parity.tolerances import ToleranceTable
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class TapResult:
+    name: str
+    level: str
+    layer: int | None
+    shape: list[int]
+    metrics: Metrics | None
+    tolerance: Tolerance
+    passed: bool
+    growth: float | None = None
+    message: str = ""
+    role: str = "pass"  # "pass", "source" or "inherited"
+    fed_by: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        m = self.metrics.as_dict() if self.metrics else None
+        return {
+            "name": self.name, "level": self.level, "layer": self.layer, "shape": self.shape,
+            "metrics": None if m is None else {k: m[k] for k in ("max_abs", "max_rel", "mean_abs", "cosine",
+                                                                  "sqnr_db", "mismatch_frac")},
+            "tolerance": self.tolerance.as_dict(), "passed": self.passed, "growth": self.growth,
+            "min_tolerance": None if m is None else {"atol": m["min_atol"], "rtol": self.tolerance.rtol},
+            "worst": None if m is None else {"index": m["worst_index"], "reference": m["worst_ref"],
+                                             "candidate": m["worst_cand"]},
+            "role": self.role, "message": self.message,
+        }
+
+
+def _stacked(dump: DumpReader, tap: str, prompts: list[int]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """All prompts' rows of one tap, concatenated along positions, and (prompt, position) per row."""
+    parts, rows = [], []
+    for p in prompts:
+        t = dump.get(tap, p)
+        parts.append(t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(-1, 1))
+        rows += [(p, i) for i in range(t.shape[0])]
+    return torch.cat(parts), rows
+
+
+def compare_tap(ref: DumpReader, cand: DumpReader, tap: str, table: ToleranceTable) -> TapResult:
+    level, layer = level_of(tap), layer_of(tap)
+    prompts = ref.prompts(tap)
+    dtype = DTYPES.get(ref.entry(tap, prompts[0])["dtype"], torch.float32) if prompts else torch.float32
+    cand_dtype = DTYPES.get(cand.entry(tap, cand.prompts(tap)[0])["dtype"], dtype) if cand.prompts(tap) else dtype
+    # the looser of the two sides' dtypes sets the default
+    tol = table.resolve(tap, max((dtype, cand_dtype), key=lambda d: table.resolve(tap, d).atol))
+    missing = sorted(set(prompts) - set(cand.prompts(tap)))
+    if not prompts or missing:
+        why = "absent from the reference" if not prompts else f"prompts {missing} missing in the candidate"
+        return TapResult(tap, level, layer, [], None, tol, False, message=f"{tap}: {why}")
+    r, rows = _stacked(ref, tap, prompts)
+    c, _ = _stacked(cand, tap, prompts)
+    try:
+        m = compare(r, c, tol)
+    except ShapeMismatch as exc:
+        return TapResult(tap, level, layer, list(r.shape), None, tol, False, message=f"{tap}: {exc}")
+    p, pos = rows[m.worst_index[0]]
+    m = Metrics(**{**m.__dict__, "worst_index": (p, pos, *m.worst_index[1:])})
+    ok = passes(m, tol)
+    return TapResult(tap, level, layer, [len(prompts), *list(r.shape)], m, tol, ok,
+                     message="" if ok else describe(tap, m, tol))
+
+
+def compare_dumps(ref: DumpReader, cand: DumpReader, taps: list[str], table: ToleranceTable) -> list[TapResult]:
+    results = [compare_tap(ref, cand, t, table) for t in taps]
+    apply_growth(results, table)
+    attribute(results)
+    return results
+
+
+def apply_growth(results: list[TapResult], table: ToleranceTable) -> None:
+    """Flag a layer output whose error jumps by more than max_growth x the previous layer's."""
+    prev: TapResult | None = None
+    for r in results:
+        if r.level != LEVEL_BLOCK or not r.name.endswith(".output") or r.metrics is None:
+            continue
+        if prev is not None and prev.metrics is not None:
+            floor = max(prev.metrics.max_abs, 0.01 * r.tolerance.atol)  # fp noise alone must not count as a jump
+            r.growth = r.metrics.max_abs / floor
+            if r.growth > table.max_growth and r.passed:
+                r.passed = False
+                r.message = (f"{r.name}: error grew {r.growth:.1f}x over {prev.name} "
+                             f"({prev.metrics.max_abs:.3g} -> {r.metrics.max_abs:.3g}), above max_growth "
+                             f"{table.max_growth:g}, although inside tolerance")
+        prev = r
+
+
+def attribute(results: list[TapResult]) -> None:
+    """A failing tap whose inputs pass is a source; a failure after a failing input is inherited.
+
+    Within a layer, every op tap reads the layer input, so the earliest failing tap of a forward
+    order is the source and later failures inherit from it; a later failure in the same run is a
+    new source only when some tap between them passed the layer boundary cleanly.
+    """
+    last_source: TapResult | None = None
+    for r in results:
+        if r.passed:
+            if r.name.endswith(".output") or r.name in ("embed", "final_norm"):
+                if last_source is not None and r.layer is not None:
+                    last_source = None  # a clean layer boundary: later failures are new
+            continue
+        if last_source is None:
+            r.role = "source"
+            last_source = r
+        else:
+            r.role = "inherited"
+            r.fed_by = [last_source.name]
+
+
+def first_divergence(results: list[TapResult]) -> TapResult | None:
+    return next((r for r in results if r.role == "source"), None)

@@ -1,0 +1,295 @@
+"""One parity run: the model, the prompts, both sides' dumps, the comparison, the report.
+
+Everything is computed lazily and once: the pytest items of a session share one ``ParitySession``
+(and so one vLLM engine), and the dumps are made the first time an item asks for a result.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fixtures.prompts import DEFAULT, load_prompts, prompts_sha256
+from parity import report as report_mod
+from parity import snapshots
+from parity.compare import TapResult, compare_dumps, first_divergence
+from parity.dumps import DumpReader
+from parity.taps import canonical_order, level_of
+from parity.tolerances import ToleranceTable
+from references.checkpoint import Checkpoint
+
+LEVELS = ("op", "block", "model")
+CANDIDATES = ("vllm", "kernels")
+
+
+@dataclass
+class Options:
+    model: str | None = None
+    prompts: str | None = None
+    level: str = "block"
+    mode: str = "propagated"
+    taps: str | None = None
+    candidate: str = "vllm"
+    tolerances: ToleranceTable = field(default_factory=ToleranceTable)
+    dump_dir: str | None = None
+    report_dir: str | None = None
+    snapshot_dir: str = ".parity/snapshots"
+    keep: int = 20
+    snapshot_max_gb: float = 2.0
+    greedy_tokens: int = 8
+    top_k: int = 5
+    command: list[str] = field(default_factory=lambda: list(sys.argv))
+    root: str = "."
+
+
+class ParitySession:
+    def __init__(self, opts: Options):
+        self.opts = opts
+        self.id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+        self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        self.model_dir = Path(opts.model) if opts.model else _default_model()
+        self.ckpt = Checkpoint(self.model_dir)
+        self.num_layers = int(self.ckpt.config["num_hidden_layers"])
+        self.prompts = load_prompts(opts.prompts or DEFAULT, vocab_size=int(self.ckpt.config["vocab_size"]))
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self.results: dict[str, TapResult] | None = None
+        self.error: BaseException | None = None
+        self.extras: dict[str, dict[str, Any]] = {}
+        self._llm = None
+        self.timings: dict[str, float] = {}
+        self.report_dir: Path | None = None
+        self.snapshot: Path | None = None
+
+    # -- what runs ------------------------------------------------------------------------------
+
+    def taps(self) -> list[str]:
+        top = LEVELS.index(self.opts.level)
+        taps = [t for t in canonical_order(self.num_layers) if LEVELS.index(level_of(t)) <= top
+                and not t.endswith(".input")]
+        if self.opts.taps:
+            taps = [t for t in taps if fnmatch.fnmatchcase(t, self.opts.taps)]
+        return taps
+
+    @property
+    def format(self) -> str:
+        return self.ckpt.spec.quant_method if self.ckpt.spec is not None else "fp"
+
+    def dump_root(self) -> Path:
+        if self.opts.dump_dir:
+            root = Path(self.opts.dump_dir)
+            for side in ("reference", "candidate"):
+                if (root / side / "manifest.json").exists():
+                    raise FileExistsError(f"{root / side}: already holds a dump; choose an empty --parity-dump-dir")
+            return root
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="parity-dumps-")
+        return Path(self._tmp.name)
+
+    def meta(self, side: str) -> dict[str, Any]:
+        import transformers
+
+        versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+        try:
+            import vllm
+
+            versions["vllm"] = vllm.__version__
+        except ImportError:
+            pass
+        from fixtures.default_model import checkpoint_sha256
+
+        return {"side": side, "model": str(self.model_dir), "model_sha256": checkpoint_sha256(self.model_dir),
+                "prompts_sha256": prompts_sha256(self.prompts), "format": self.format, "versions": versions}
+
+    def wanted(self, tap: str) -> bool:
+        return tap.endswith(".input") or tap in set(self.taps())
+
+    # -- the two sides --------------------------------------------------------------------------
+
+    def reference_dump(self) -> DumpReader:
+        from parity import reference_side
+        from references.model import build_reference_model
+
+        t0 = time.perf_counter()
+        model = build_reference_model(self.ckpt)
+        dump = reference_side.capture(model, self.prompts, self.dump_root() / "reference", self.meta("reference"),
+                                      wanted=self.wanted)
+        self.timings["reference_s"] = time.perf_counter() - t0
+        self._reference_model = model
+        return dump
+
+    def llm(self):
+        if self._llm is None:
+            from kernels.vllm_engine import make_llm
+
+            t0 = time.perf_counter()
+            max_len = max(len(p) for p in self.prompts) + self.opts.greedy_tokens + 8
+            self._llm = make_llm(self.model_dir, max_model_len=max(256, max_len),
+                                 max_num_seqs=max(4, len(self.prompts)))
+            self.timings["engine_start_s"] = time.perf_counter() - t0
+        return self._llm
+
+    def candidate_dump(self) -> DumpReader:
+        t0 = time.perf_counter()
+        out = self.dump_root() / "candidate"
+        if self.opts.candidate == "vllm":
+            from parity import vllm_side
+
+            dump = vllm_side.capture(self.llm(), self.prompts, out, self.meta("candidate"), wanted=self.wanted)
+        elif self.opts.candidate == "kernels":
+            from parity import reference_side
+            from parity.kernel_candidate import build_kernel_model
+
+            dump = reference_side.capture(build_kernel_model(self.ckpt), self.prompts, out,
+                                          self.meta("candidate"), wanted=self.wanted)
+        else:
+            raise ValueError(f"unknown candidate {self.opts.candidate!r}; choose one of {CANDIDATES}")
+        self.timings["candidate_s"] = time.perf_counter() - t0
+        return dump
+
+    def run(self) -> dict[str, TapResult]:
+        """Make both dumps and compare every tap (once); an error is kept and re-raised per item."""
+        if self.results is None and self.error is None:
+            try:
+                self.reference, self.candidate = self.reference_dump(), self.candidate_dump()
+                t0 = time.perf_counter()
+                results = compare_dumps(self.reference, self.candidate, self.taps(), self.opts.tolerances)
+                self.timings["compare_s"] = time.perf_counter() - t0
+                self.results = {r.name: r for r in results}
+            except BaseException as exc:  # noqa: BLE001 - reported by every item that needs it
+                self.error = exc
+        if self.error is not None:
+            raise self.error
+        return self.results
+
+    # -- model-level extras ---------------------------------------------------------------------
+
+    def greedy(self) -> dict[str, Any]:
+        """vLLM's greedy continuation against the reference's, token by token."""
+        if "greedy" not in self.extras:
+            self.run()
+            from kernels.vllm_engine import generate
+
+            outs = generate(self.llm(), self.prompts, max_tokens=self.opts.greedy_tokens) \
+                if self.opts.candidate == "vllm" else None
+            model = self._reference_model
+            rows = []
+            for p, ids in enumerate(self.prompts):
+                ref_tokens = _greedy(model, ids, self.opts.greedy_tokens)
+                cand_tokens = list(outs[p].outputs[0].token_ids) if outs is not None else \
+                    _greedy(self._kernel_model(), ids, self.opts.greedy_tokens)
+                first = next((i for i, (a, b) in enumerate(zip(ref_tokens, cand_tokens)) if a != b), None)
+                rows.append({"prompt": p, "reference": ref_tokens, "candidate": cand_tokens, "first_mismatch": first})
+            self.extras["greedy"] = {"passed": all(r["first_mismatch"] is None for r in rows), "prompts": rows}
+        return self.extras["greedy"]
+
+    def topk(self) -> dict[str, Any]:
+        """Top-k agreement of the logits at every prompt position (the reference's top-1 in the
+        candidate's top-k and the other way round)."""
+        if "topk" not in self.extras:
+            self.run()
+            k, worst = self.opts.top_k, []
+            agree = total = 0
+            for p in self.reference.prompts("logits"):
+                r, c = self.reference.get("logits", p), self.candidate.get("logits", p)
+                rk, ck = r.topk(k, dim=-1).indices, c.topk(k, dim=-1).indices
+                ok = (ck == rk[:, :1]).any(-1) & (rk == ck[:, :1]).any(-1)
+                agree += int(ok.sum())
+                total += ok.numel()
+                worst += [{"prompt": p, "position": int(i)} for i in (~ok).nonzero().flatten()[:3]]
+            self.extras["topk"] = {"passed": agree == total, "k": k, "agree": agree, "total": total,
+                                   "disagree_at": worst[:10]}
+        return self.extras["topk"]
+
+    def _kernel_model(self):
+        from parity.kernel_candidate import build_kernel_model
+
+        if not hasattr(self, "_kmodel"):
+            self._kmodel = build_kernel_model(self.ckpt)
+        return self._kmodel
+
+    # -- end of run -----------------------------------------------------------------------------
+
+    def finish(self) -> Path | None:
+        """Write the report (and a snapshot when a tap failed); close the engine and temp dumps."""
+        try:
+            if self.results is not None:
+                self.write_report()
+        finally:
+            if self._llm is not None:
+                from kernels.vllm_engine import close_llm
+
+                close_llm(self._llm)
+                self._llm = None
+            if self._tmp is not None:
+                self._tmp.cleanup()
+        return self.report_dir
+
+    def write_report(self) -> Path:
+        results = list(self.results.values())
+        first = first_divergence(results)
+        run = {"id": self.id, "started": self.started, "model": str(self.model_dir), "format": self.format,
+               "level": self.opts.level, "mode": self.opts.mode, "prompts_sha256": prompts_sha256(self.prompts),
+               "versions": self.reference.manifest.get("versions", {}), "candidate": self.opts.candidate,
+               "timings": self.timings, "extras": self.extras}
+        rep = report_mod.build(run, [r.as_dict() for r in results],
+                               {"name": first.name, "layer": first.layer} if first else None, hints=[])
+        if self.extras:
+            rep["passed"] = rep["passed"] and all(e["passed"] for e in self.extras.values())
+        heat = None
+        failing = [r for r in results if not r.passed and r.metrics is not None]
+        if failing:
+            f = first or failing[0]
+            heat = report_mod.heatmap_of(f.name, *self._stacked_pair(f.name))
+        root = Path(self.opts.report_dir) if self.opts.report_dir else Path(self.opts.root) / "reports" / self.id
+        self.report_dir = report_mod.write(root, rep, heat)
+        if failing:
+            self.snapshot = self.write_snapshot(failing)
+        return self.report_dir
+
+    def _stacked_pair(self, tap: str) -> tuple[torch.Tensor, torch.Tensor]:
+        ps = self.reference.prompts(tap)
+        return (torch.cat([self.reference.get(tap, p) for p in ps]), torch.cat([self.candidate.get(tap, p) for p in ps]))
+
+    def write_snapshot(self, failing: list[TapResult]) -> Path | None:
+        ref, cand, diff = {}, {}, {}
+        for r in failing:
+            for p in self.reference.prompts(r.name):
+                ref[f"{r.name}@{p}"] = self.reference.get(r.name, p)
+                cand[f"{r.name}@{p}"] = self.candidate.get(r.name, p)
+            diff[r.name] = r.as_dict()
+        meta = {"run": self.id, "model": str(self.model_dir), "format": self.format, "level": self.opts.level,
+                "command": " ".join(self.opts.command), "report": str(self.report_dir),
+                "prompts_sha256": prompts_sha256(self.prompts)}
+        try:
+            path = snapshots.write(self.opts.snapshot_dir, self.id, ref, cand, diff, meta)
+        except snapshots.SnapshotError as exc:
+            self.extras.setdefault("snapshot_error", {"passed": False, "message": str(exc)})
+            return None
+        snapshots.prune(self.opts.snapshot_dir, self.opts.keep, self.opts.snapshot_max_gb, protect=path)
+        return path
+
+
+def _greedy(model, ids: list[int], n: int) -> list[int]:
+    x = torch.tensor([ids])
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(x, use_cache=False).logits[0, -1].argmax())
+            out.append(nxt)
+            x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+def _default_model() -> Path:
+    from fixtures.default_model import default_model_dir
+
+    return default_model_dir()
+

@@ -1,0 +1,201 @@
+"""Metrics, tolerances, dumps, comparison, reports and snapshots — no engine needed."""
+
+import errno
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from parity import report, snapshots
+from parity.compare import compare_dumps, first_divergence
+from parity.dumps import DumpReader, DumpWriter
+from parity.metrics import Tolerance, compare, passes
+from parity.taps import canonical_order, level_of
+from parity.tolerances import ToleranceTable, load, parse
+
+
+@given(st.integers(1, 6), st.integers(1, 40), st.floats(1e-6, 1e3), st.integers(0, 10_000))
+def test_metrics_find_the_worst_element(rows, cols, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    ref = torch.randn(rows, cols, generator=g) * scale
+    cand = ref.clone()
+    i, j = seed % rows, (seed // 7) % cols
+    cand[i, j] += scale  # one element off by a full scale
+    m = compare(ref, cand, Tolerance(atol=1e-3 * scale))
+    assert m.worst_index == (i, j)
+    assert m.worst_ref == pytest.approx(float(ref[i, j]))
+    assert m.max_abs == pytest.approx(scale, rel=1e-5)
+    assert m.mismatch_frac == pytest.approx(1 / (rows * cols))
+    assert m.min_atol == pytest.approx(scale, rel=1e-5)
+    assert not passes(m, Tolerance(atol=1e-3 * scale))
+    loose = Tolerance(atol=1.01 * scale)
+    assert passes(compare(ref, cand, loose), loose)
+
+
+def test_identical_tensors():
+    t = torch.randn(3, 4)
+    m = compare(t, t.clone(), Tolerance(atol=0.0))
+    assert m.max_abs == 0 and m.cosine == pytest.approx(1.0) and math.isinf(m.sqnr_db) and passes(m, Tolerance(0.0))
+
+
+def test_nonfinite_candidate_always_fails():
+    ref = torch.ones(4)
+    cand = ref.clone()
+    cand[2] = float("nan")
+    m = compare(ref, cand, Tolerance(atol=1e9))
+    assert m.nonfinite == 1 and m.worst_index == (2,) and not passes(m, Tolerance(atol=1e9))
+    ref[1] = float("inf")  # where the reference itself is not finite the element is not judged
+    cand = ref.clone()
+    assert passes(compare(ref, cand, Tolerance(0.0)), Tolerance(0.0))
+
+
+def test_rtol_and_mismatch_fraction():
+    ref = torch.tensor([1.0, 100.0, 1000.0, 1e4])
+    cand = ref * 1.001
+    assert passes(compare(ref, cand, Tolerance(atol=0, rtol=2e-3)), Tolerance(atol=0, rtol=2e-3))
+    tol = Tolerance(atol=0, rtol=1e-4, max_mismatch_frac=0.5)
+    assert not passes(compare(ref, cand, tol), tol)
+
+
+def test_most_specific_pattern_wins_and_keys_fall_back():
+    table = parse({"max_growth": 5, "tolerances": {
+        "*": {"atol": 1e-3}, "layers.*": {"rtol": 0.5}, "layers.*.mlp.down": {"atol": 7e-3},
+        "logits": {"max_mismatch_frac": 0.01}}}, "test")
+    down = table.resolve("layers.3.mlp.down")
+    assert (down.atol, down.rtol) == (7e-3, 0.5)
+    assert table.resolve("layers.3.attn.q").atol == 1e-3
+    assert table.resolve("logits").max_mismatch_frac == 0.01 and table.resolve("logits").atol == 1e-3
+    assert table.pattern_for("layers.3.mlp.down") == "layers.*.mlp.down"
+    assert table.max_growth == 5
+    assert ToleranceTable().resolve("x", torch.bfloat16).atol > ToleranceTable().resolve("x", torch.float32).atol
+
+
+def test_tolerance_files(tmp_path):
+    f = tmp_path / "tol.toml"
+    f.write_text('[tolerances]\n"layers.*" = { atol = 2e-4 }\n')
+    assert load(f).resolve("layers.0.output").atol == 2e-4
+    f.write_text('[tolerances]\n"layers.*" = { atoll = 2e-4 }\n')
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['atoll'\]"):
+        load(f)
+    f.write_text("not toml [")
+    with pytest.raises(ValueError, match="cannot read tolerances"):
+        load(f)
+    py = tmp_path / "pyproject.toml"
+    py.write_text('[tool.parity]\nmax_growth = 3.0\n[tool.parity.tolerances]\nlogits = { atol = 0.5 }\n')
+    table = load(None, py)
+    assert table.resolve("logits").atol == 0.5 and table.max_growth == 3.0
+    assert parse(json.loads(json.dumps({"tolerances": dict(table.rules)})), "x").rules == table.rules
+
+
+def _dump(root, taps, tensors, meta=None):
+    w = DumpWriter(root, meta or {})
+    for tap in taps:
+        w.write(tap, {f"{tap}@{p}": t for p, t in enumerate(tensors[tap])})
+    return DumpReader(w.close())
+
+
+def _pair(tmp_path, fault_tap=None, scale=1.0):
+    taps = canonical_order(2)
+    g = torch.Generator().manual_seed(0)
+    ref = {t: [torch.randn(5, 8, generator=g), torch.randn(3, 8, generator=g)] for t in taps}
+    cand = {t: [x.clone() for x in v] for t, v in ref.items()}
+    if fault_tap is not None:
+        start = taps.index(fault_tap)
+        for t in taps[start:]:
+            cand[t] = [x + scale * (1 + taps.index(t) - start) for x in cand[t]]
+    return _dump(tmp_path / "r", taps, ref), _dump(tmp_path / "c", taps, cand), taps
+
+
+def test_dump_round_trip_and_manifest(tmp_path):
+    ref, _, taps = _pair(tmp_path)
+    assert ref.taps() == taps and ref.prompts("logits") == [0, 1]
+    assert ref.verify("layers.1.mlp.up", 1).shape == (3, 8)
+    with pytest.raises(KeyError, match="no tensor for tap 'nope', prompt 0"):
+        ref.get("nope", 0)
+    with pytest.raises(FileExistsError, match="already holds a dump"):
+        DumpWriter(tmp_path / "r")
+
+
+def test_compare_finds_the_planted_source(tmp_path):
+    ref, cand, taps = _pair(tmp_path, fault_tap="layers.1.mlp.gate")
+    results = compare_dumps(ref, cand, [t for t in taps if not t.endswith(".input")], ToleranceTable())
+    by = {r.name: r for r in results}
+    assert all(by[t].passed for t in taps[: taps.index("layers.1.mlp.gate")] if t in by)
+    assert first_divergence(results).name == "layers.1.mlp.gate"
+    assert by["layers.1.mlp.up"].role == "inherited" and by["layers.1.mlp.up"].fed_by == ["layers.1.mlp.gate"]
+    assert by["layers.1.mlp.gate"].metrics.worst_index[:2] in {(0, i) for i in range(5)} | {(1, i) for i in range(3)}
+    assert "outside atol=0.0001" in by["layers.1.mlp.gate"].message
+
+
+def test_growth_bound_flags_a_jump_inside_tolerance(tmp_path):
+    taps = canonical_order(3)
+    ref = {t: [torch.zeros(2, 4)] for t in taps}
+    cand = {t: [torch.zeros(2, 4)] for t in taps}
+    cand["layers.0.output"] = [torch.full((2, 4), 1e-7)]
+    cand["layers.1.output"] = [torch.full((2, 4), 1e-7)]
+    # 500x the previous error, still under atol 1e-4; growth is measured against a floor of
+    # 1 % of atol (1e-6) so that fp32 rounding noise alone never counts as a jump: 50x
+    cand["layers.2.output"] = [torch.full((2, 4), 5e-5)]
+    results = compare_dumps(_dump(tmp_path / "r", taps, ref), _dump(tmp_path / "c", taps, cand),
+                            ["layers.0.output", "layers.1.output", "layers.2.output"], ToleranceTable())
+    assert [r.passed for r in results] == [True, True, False]
+    assert "grew 50.0x" in results[2].message
+
+
+def test_levels():
+    assert [level_of(t) for t in ("embed", "layers.0.attn.q", "layers.2.output", "final_norm", "logits")] == \
+        ["op", "op", "block", "model", "model"]
+
+
+def test_report_round_trip(tmp_path):
+    ref, cand, taps = _pair(tmp_path, fault_tap="layers.0.output")
+    results = compare_dumps(ref, cand, [t for t in taps if not t.endswith(".input")], ToleranceTable())
+    first = first_divergence(results)
+    rep = report.build({"id": "r1", "started": "now", "model": "m", "format": "ternary", "level": "model",
+                        "mode": "propagated", "prompts_sha256": "x", "versions": {}},
+                       [r.as_dict() for r in results], {"name": first.name, "layer": first.layer}, [])
+    heat = report.heatmap_of(first.name, torch.zeros(8, 300), torch.ones(8, 300))
+    out = report.write(tmp_path / "rep", rep, heat)
+    data = json.loads((out / "report.json").read_text())
+    assert data["schema"] == "parity-report/1" and data["passed"] is False
+    assert set(data) == {"schema", "run", "taps", "first_divergence", "hints", "passed"}
+    assert set(data["run"]) >= {"id", "started", "model", "format", "level", "mode", "prompts_sha256", "versions"}
+    assert set(data["taps"][0]) >= {"name", "level", "layer", "shape", "metrics", "tolerance", "passed", "growth"}
+    assert set(data["taps"][0]["metrics"]) == {"max_abs", "max_rel", "mean_abs", "cosine", "sqnr_db", "mismatch_frac"}
+    page = (out / "report.html").read_text()
+    assert "layers.0.output" in page and "<svg" in page and "Heatmap" in page
+    assert "First divergence: **layers.0.output**" in (out / "summary.md").read_text()
+    (out / "summary.md").unlink()
+    report.render(out)  # re-rendered from report.json alone
+    assert (out / "summary.md").is_file()
+
+
+def _snap(root, run_id="run"):
+    return snapshots.write(root, run_id, {"a@0": torch.ones(2)}, {"a@0": torch.zeros(2)}, {"a": {}}, {"command": "x"})
+
+
+def test_snapshots_never_overwrite_and_prune(tmp_path):
+    a = _snap(tmp_path)
+    b = _snap(tmp_path)
+    assert a.name == "run" and b.name == "run-2"
+    assert json.loads((a / "meta.json").read_text())["command"] == "x"
+    c = _snap(tmp_path, "later")
+    removed = snapshots.prune(tmp_path, keep=1, max_gb=10, protect=c)
+    assert set(removed) == {a, b} and snapshots.runs(tmp_path) == [c]
+    snapshots.prune(tmp_path, keep=5, max_gb=0.0, protect=c)
+    assert snapshots.runs(tmp_path) == [c]  # the protected one survives even over the size cap
+
+
+def test_full_disk_while_writing_a_snapshot_loses_nothing(tmp_path, monkeypatch):
+    first = _snap(tmp_path, "old")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(snapshots, "save_file", full)
+    with pytest.raises(snapshots.SnapshotError, match="the disk is full"):
+        _snap(tmp_path, "new")
+    assert snapshots.runs(tmp_path) == [first]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
