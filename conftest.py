@@ -2,7 +2,13 @@
 
 import os
 
+import torch
 from hypothesis import HealthCheck, settings
+
+# Triton decides between compiling and interpreting when a kernel is decorated, so the choice must
+# be made before any module defines one: without a GPU, kernels run in the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 settings.register_profile("dev", max_examples=25, deadline=None)
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,

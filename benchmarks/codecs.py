@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     header = {
         "torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version(),
         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "loadavg_1m_at_end": round(os.getloadavg()[0], 2),  # the machine is shared: high load inflates times
         "machine": platform.machine(), "processor": platform.processor() or None,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

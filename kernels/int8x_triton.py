@@ -29,39 +29,49 @@ MAX_BLOCK_M = 16  # rows of x per GEMV program; larger M runs as more programs a
 
 
 @triton.jit
-def _field(words_ptr, idx, mask, WIDTH: tl.constexpr):
-    """Signed ``WIDTH``-bit field number ``idx`` of a bit stream (int32 words), as int32."""
-    t = idx.to(tl.int64) * WIDTH
+def _field(words_ptr, idx, mask, WIDTH: tl.constexpr, WIDE: tl.constexpr):
+    """Signed ``WIDTH``-bit field number ``idx`` of a bit stream (int32 words), as int32.
+
+    Index math stays in int32 (cheaper on GPUs) unless ``WIDE``: bit positions reach 2**31.
+    """
+    if WIDE:
+        t = idx.to(tl.int64) * WIDTH
+    else:
+        t = idx * WIDTH
     word = t >> 5
-    off = t & 31
-    lo = tl.load(words_ptr + word, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
-    # The successor word is read only when the field crosses into it (it may not exist otherwise).
-    hi = tl.load(words_ptr + word + 1, mask=mask & (off + WIDTH > 32), other=0).to(tl.int64) & 0xFFFFFFFF
-    u = ((lo | (hi << 32)) >> off) & ((1 << WIDTH) - 1)
-    return tl.where(u >= (1 << (WIDTH - 1)), u - (1 << WIDTH), u).to(tl.int32)
+    off = (t & 31).to(tl.uint32)
+    lo = tl.load(words_ptr + word, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    # The successor word is read only when the field crosses into it (it may not exist otherwise); then
+    # off > 0, and where it is not read hi is 0, so the shift by (32 - off) & 31 never needs the value 32.
+    hi = tl.load(words_ptr + word + 1, mask=mask & (off + WIDTH > 32), other=0).to(tl.uint32, bitcast=True)
+    u = (((lo >> off) | (hi << ((32 - off) & 31))) & ((1 << WIDTH) - 1)).to(tl.int32)
+    return tl.where(u >= (1 << (WIDTH - 1)), u - (1 << WIDTH), u)
 
 
 @triton.jit
 def _block_q(block, n, b1_ptr, b2_ptr, l1_ptr, l2_ptr, l3_ptr, b1_blk_ptr, b2_blk_ptr,
-             BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr):
-    """int32 values, flat element indices and validity of block ``block`` (``BLOCK_P2`` lanes)."""
+             BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, WIDE: tl.constexpr):
+    """int32 values, flat element indices and validity of block ``block`` (``BLOCK_P2`` lanes).
+
+    Element and level indices are int32: n < 2**31, which the int32 block tables imply.
+    """
     lane = tl.arange(0, BLOCK_P2)
-    e = lane.to(tl.int64) + block * BLOCK  # block * BLOCK < n < 2**31
+    e = block * BLOCK + lane
     valid = (lane < BLOCK) & (e < n)
 
     w1 = tl.load(b1_ptr + (e >> 5), mask=valid, other=0)
-    non_l1 = tl.where(valid, (w1 >> (e & 31).to(tl.int32)) & 1, 0)
-    j = tl.load(b1_blk_ptr + block).to(tl.int64) + (tl.cumsum(non_l1, 0) - non_l1)
+    non_l1 = tl.where(valid, (w1 >> (e & 31)) & 1, 0)
+    j = tl.load(b1_blk_ptr + block) + (tl.cumsum(non_l1, 0) - non_l1)
     is_non_l1 = non_l1 != 0
 
     w2 = tl.load(b2_ptr + (j >> 5), mask=is_non_l1, other=0)
-    l3_bit = tl.where(is_non_l1, (w2 >> (j & 31).to(tl.int32)) & 1, 0)
-    i3 = tl.load(b2_blk_ptr + block).to(tl.int64) + (tl.cumsum(l3_bit, 0) - l3_bit)
+    l3_bit = tl.where(is_non_l1, (w2 >> (j & 31)) & 1, 0)
+    i3 = tl.load(b2_blk_ptr + block) + (tl.cumsum(l3_bit, 0) - l3_bit)
     is_l3 = l3_bit != 0
     is_l2 = is_non_l1 & (l3_bit == 0)
 
-    v1 = _field(l1_ptr, e - j, valid & (non_l1 == 0), 3)
-    v2 = _field(l2_ptr, j - i3, is_l2, 5)
+    v1 = _field(l1_ptr, e - j, valid & (non_l1 == 0), 3, WIDE)
+    v2 = _field(l2_ptr, j - i3, is_l2, 5, WIDE)
     v3 = tl.load(l3_ptr + i3, mask=is_l3, other=0).to(tl.int32)
     v3 = tl.where(v3 > 127, v3 - 256, v3)  # the uint8 byte of an int8
     q = tl.where(is_l3, v3, tl.where(is_l2, v2, v1))
@@ -70,44 +80,37 @@ def _block_q(block, n, b1_ptr, b2_ptr, l1_ptr, l2_ptr, l3_ptr, b1_blk_ptr, b2_bl
 
 @triton.jit
 def _decode_kernel(out_ptr, scale_ptr, b1_ptr, b2_ptr, l1_ptr, l2_ptr, l3_ptr, b1_blk_ptr, b2_blk_ptr, n,
-                   BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr):
+                   BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, WIDE: tl.constexpr):
     block = tl.program_id(0)
     q, e, valid = _block_q(block, n, b1_ptr, b2_ptr, l1_ptr, l2_ptr, l3_ptr, b1_blk_ptr, b2_blk_ptr,
-                           BLOCK, BLOCK_P2)
+                           BLOCK, BLOCK_P2, WIDE)
     scale = tl.load(scale_ptr)
-    tl.store(out_ptr + e, (q.to(tl.float32) * scale).to(out_ptr.dtype.element_ty), mask=valid)
+    tl.store(out_ptr + e.to(tl.int64), (q.to(tl.float32) * scale).to(out_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
 def _linear_kernel(y_ptr, x_ptr, scale_ptr, b1_ptr, b2_ptr, l1_ptr, l2_ptr, l3_ptr, b1_blk_ptr, b2_blk_ptr,
                    M, K, n, stride_xm, stride_xk, stride_ym, stride_yn,
-                   BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, BLOCK_M: tl.constexpr, ALIGNED: tl.constexpr):
+                   BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, BLOCK_M: tl.constexpr, ALIGNED: tl.constexpr,
+                   WIDE: tl.constexpr):
     row = tl.program_id(0)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
-    row_start = row.to(tl.int64) * K
+    row_start = row * K  # < n < 2**31
+    row_end = row_start + K
     acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if ALIGNED:
-        # K % BLOCK == 0: the row is exactly blocks row*K/BLOCK .. (row+1)*K/BLOCK - 1.
-        first = row_start // BLOCK
-        for jb in range(0, K // BLOCK):
-            q, e, valid = _block_q(first + jb, n, b1_ptr, b2_ptr, l1_ptr, l2_ptr, l3_ptr,
-                                   b1_blk_ptr, b2_blk_ptr, BLOCK, BLOCK_P2)
-            k = e - row_start
-            xt = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None] & valid[None, :], other=0.0)
-            acc += tl.sum(xt.to(tl.float32) * q.to(tl.float32)[None, :], axis=1)
-    else:
-        # Blocks straddle rows: decode every block overlapping this row and keep the row's lanes.
-        row_end = row_start + K
-        for block in range(row_start // BLOCK, (row_end - 1) // BLOCK + 1):
-            q, e, valid = _block_q(block, n, b1_ptr, b2_ptr, l1_ptr, l2_ptr, l3_ptr,
-                                   b1_blk_ptr, b2_blk_ptr, BLOCK, BLOCK_P2)
-            in_row = valid & (e >= row_start) & (e < row_end)
-            k = e - row_start
-            xt = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None] & in_row[None, :], other=0.0)
-            w = tl.where(in_row, q.to(tl.float32), 0.0)
-            acc += tl.sum(xt.to(tl.float32) * w[None, :], axis=1)
+    # The blocks overlapping this row; with K % BLOCK == 0 exactly K / BLOCK whole blocks.
+    for block in range(row_start // BLOCK, (row_end - 1) // BLOCK + 1):
+        q, e, valid = _block_q(block, n, b1_ptr, b2_ptr, l1_ptr, l2_ptr, l3_ptr, b1_blk_ptr, b2_blk_ptr,
+                               BLOCK, BLOCK_P2, WIDE)
+        if ALIGNED:
+            lanes = valid
+        else:
+            lanes = valid & (e >= row_start) & (e < row_end)  # a block straddling rows: keep this row's
+        xt = tl.load(x_rows + (e - row_start)[None, :] * stride_xk, mask=m_ok[:, None] & lanes[None, :], other=0.0)
+        w = tl.where(lanes, q.to(tl.float32), 0.0)
+        acc += tl.sum(xt.to(tl.float32) * w[None, :], axis=1)
     scale = tl.load(scale_ptr)
     y = acc * scale  # sum_k x*q*s == s * sum_k x*q: one multiply per output instead of per weight
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + row * stride_yn, y.to(y_ptr.dtype.element_ty), mask=m_ok)
@@ -129,6 +132,11 @@ def _check_device(*tensors: torch.Tensor) -> None:
     if device.type == "cpu" and not interpreted():
         raise RuntimeError("int8x triton: CPU tensors need the Triton interpreter; set TRITON_INTERPRET=1 "
                            "before kernels.int8x_triton is imported, or use the torch backend")
+
+
+def _wide(n: int) -> bool:
+    # Stream bit positions (3 or 5 per value) reach 2**31 only for weights of ~430M+ elements.
+    return 5 * n >= 2**31
 
 
 def _streams(b1, b2, l1, l2, l3):
@@ -153,7 +161,7 @@ def decode(b1: torch.Tensor, b2: torch.Tensor, l1: torch.Tensor, l2: torch.Tenso
     _check_device(out, b1, b2, l1, l2, l3, b1_blk, b2_blk, scale)
     grid = (triton.cdiv(n, block_size),)
     _decode_kernel[grid](out, scale, *_streams(b1, b2, l1, l2, l3), b1_blk, b2_blk, n,
-                         BLOCK=block_size, BLOCK_P2=triton.next_power_of_2(block_size))
+                         BLOCK=block_size, BLOCK_P2=triton.next_power_of_2(block_size), WIDE=_wide(n))
     return out
 
 
@@ -164,7 +172,9 @@ def linear(x: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, l1: torch.Tensor
 
     Grid: one program per output feature (row of ``W``) and per tile of up to ``MAX_BLOCK_M`` rows of ``x``;
     the program walks the blocks of its row and accumulates in fp32, so the decoded weight never reaches
-    memory. Built for small M (decode-time GEMV, 1..16 tokens).
+    memory. Built for small M (decode-time GEMV, 1..16 tokens). (Splitting a row's blocks over several
+    programs with a second reduction pass measured no faster on an H200 at 4096 x 14336: the block decode,
+    not the grid's parallelism, bounds the time.)
 
     Blocks run over the flattened weight, so a block may span rows. When ``K % block_size == 0`` each row is
     a whole number of blocks and every decoded lane is used (the fast path). Otherwise a program decodes each
@@ -182,9 +192,9 @@ def linear(x: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, l1: torch.Tensor
     if m_rows == 0:
         return out
     block_m = min(MAX_BLOCK_M, triton.next_power_of_2(m_rows))
-    grid = (n_rows, triton.cdiv(m_rows, block_m))
-    _linear_kernel[grid](out, x, scale, *_streams(b1, b2, l1, l2, l3), b1_blk, b2_blk,
-                         m_rows, n_cols, n_rows * n_cols, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-                         BLOCK=block_size, BLOCK_P2=triton.next_power_of_2(block_size), BLOCK_M=block_m,
-                         ALIGNED=n_cols % block_size == 0)
+    _linear_kernel[(n_rows, triton.cdiv(m_rows, block_m))](
+        out, x, scale, *_streams(b1, b2, l1, l2, l3), b1_blk, b2_blk,
+        m_rows, n_cols, n_rows * n_cols, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        BLOCK=block_size, BLOCK_P2=triton.next_power_of_2(block_size), BLOCK_M=block_m,
+        ALIGNED=n_cols % block_size == 0, WIDE=_wide(n_rows * n_cols))
     return out

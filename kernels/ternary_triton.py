@@ -127,7 +127,7 @@ def _decode(w, R: tl.constexpr, C: tl.constexpr):
     return tl.reshape(tl.join(r0, r1), (R, C * 16))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "G", "GS"])
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, sx_ptr, y_ptr,
                  N, K, KW, G, GS, stride_xm, stride_xk, stride_ym,
                  SCALE_MODE: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -181,15 +181,16 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, sx_ptr, y_ptr,
     tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-@triton.jit
-def _mm_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, sx_ptr, y_ptr,
-               M, N, K, KW, G, GS, stride_xm, stride_xk, stride_ym,
+@triton.jit(do_not_specialize=["M", "K", "G", "GS", "KW_SPLIT", "SPLIT_K"])
+def _mm_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, sx_ptr, y_ptr, ws_ptr, cnt_ptr,
+               M, N, K, KW, G, GS, KW_SPLIT, SPLIT_K, stride_xm, stride_xk, stride_ym,
                SCALE_MODE: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
                EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-               SWAP_AB: tl.constexpr, ASM_DECODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
-               GROUP_M: tl.constexpr):
+               ASM_DECODE: tl.constexpr, USE_SPLIT: tl.constexpr, SWAP_AB: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, GROUP_M: tl.constexpr):
     BK: tl.constexpr = BKW * 16
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     # Grouped order: GROUP_M row blocks share each weight tile while it is in L2.
@@ -204,48 +205,74 @@ def _mm_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, sx_ptr, y_ptr,
     n_mask = offs_n < N
     offs_k = tl.arange(0, BK)
     offs_w = tl.arange(0, BKW)
+    # SWAP_AB accumulates y^T = W x^T: the decoded weights become the MMA's A operand.
     if SWAP_AB:
         acc = tl.zeros([BN, BM], dtype=tl.float32)
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for kw0 in range(0, KW, BKW):
+    kw_lo = pid_k * KW_SPLIT
+    kw_hi = tl.minimum(kw_lo + KW_SPLIT, KW)
+    for kw0 in range(kw_lo, kw_hi, BKW):
         k = kw0 * 16 + offs_k
         kw = kw0 + offs_w
         a_ptrs = x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk
         if EVEN_K:
             a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+            w = tl.load(qw_ptr + offs_n[:, None] * KW + kw[None, :], mask=n_mask[:, None], other=0)
         else:
             a = tl.load(a_ptrs, mask=m_mask[:, None] & (k[None, :] < K), other=0.0)
-        w = tl.load(qw_ptr + offs_n[:, None] * KW + kw[None, :],
-                    mask=n_mask[:, None] & (kw[None, :] < KW), other=0)
-        if ASM_DECODE:
-            f = _decode16(w, BN, BKW, DOT_DTYPE)  # (BN, BK) +-2 / 0
-        else:
-            f = _decode(w, BN, BKW)  # (BN, BK) fp32 +-2 / 0
+            w = tl.load(qw_ptr + offs_n[:, None] * KW + kw[None, :],
+                        mask=n_mask[:, None] & (kw[None, :] < kw_hi), other=0)
         if SCALE_MODE == 2:
             s = tl.load(s_ptr + offs_n[:, None] * G + (k // GS)[None, :],
                         mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
-            a = a.to(tl.float32)
-            f = f * s
-        else:
-            a = a.to(DOT_DTYPE)
-            f = f.to(DOT_DTYPE)
-        # SWAP_AB computes y^T = W x^T: the decoded weights fill the MMA's M side when M is small.
-        if SCALE_MODE == 1:
-            # BK divides the group size: one scale per channel for the whole tile.
-            s = tl.load(s_ptr + offs_n * G + (kw0 * 16) // GS, mask=n_mask, other=0.0)
+            f = _decode(w, BN, BKW) * s
             if SWAP_AB:
-                acc += tl.dot(f, tl.trans(a), input_precision=PRECISION) * s[:, None]
+                acc = tl.dot(f, tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
             else:
-                acc += tl.dot(a, tl.trans(f), input_precision=PRECISION) * s[None, :]
+                acc = tl.dot(a.to(tl.float32), tl.trans(f), acc, input_precision="ieee")
         else:
-            prec: tl.constexpr = "ieee" if SCALE_MODE == 2 else PRECISION
-            if SWAP_AB:
-                acc = tl.dot(f, tl.trans(a), acc, input_precision=prec)
+            if ASM_DECODE:
+                f = _decode16(w, BN, BKW, DOT_DTYPE)  # (BN, BK) +-2 / 0
             else:
-                acc = tl.dot(a, tl.trans(f), acc, input_precision=prec)
+                f = _decode(w, BN, BKW).to(DOT_DTYPE)
+            if SCALE_MODE == 1:
+                # BK divides the group size: one scale per channel for the whole tile.
+                s = tl.load(s_ptr + offs_n * G + (kw0 * 16) // GS, mask=n_mask, other=0.0)
+                if SWAP_AB:
+                    acc += tl.dot(f, tl.trans(a.to(DOT_DTYPE)), input_precision=PRECISION) * s[:, None]
+                else:
+                    acc += tl.dot(a.to(DOT_DTYPE), tl.trans(f), input_precision=PRECISION) * s[None, :]
+            else:
+                if SWAP_AB:
+                    acc = tl.dot(f, tl.trans(a.to(DOT_DTYPE)), acc, input_precision=PRECISION)
+                else:
+                    acc = tl.dot(a.to(DOT_DTYPE), tl.trans(f), acc, input_precision=PRECISION)
     if SWAP_AB:
         acc = tl.trans(acc)
+    mn_mask = m_mask[:, None] & n_mask[None, :]
+    if USE_SPLIT:
+        # Serial split-K: each program parks its partial tile; the last to arrive sums all of them
+        # in split order (deterministic) and finishes the tile. Counters are left at zero.
+        ws_tile = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws_tile + pid_k * M * N, acc, mask=mn_mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for sk in range(0, SPLIT_K):
+                acc += tl.load(ws_tile + sk * M * N, mask=mn_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+            _mm_epilogue(acc, s_ptr, b_ptr, sx_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym,
+                         SCALE_MODE, ACT_QUANT, HAS_BIAS)
+    else:
+        _mm_epilogue(acc, s_ptr, b_ptr, sx_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym,
+                     SCALE_MODE, ACT_QUANT, HAS_BIAS)
+
+
+@triton.jit
+def _mm_epilogue(acc, s_ptr, b_ptr, sx_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym,
+                 SCALE_MODE: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_BIAS: tl.constexpr):
     y = acc * 0.5  # the decoded weights are +-2
     if SCALE_MODE == 0:
         y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
@@ -260,21 +287,57 @@ def _mm_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, sx_ptr, y_ptr,
 # --------------------------------------------------------------------------------------------
 # configurations (measured on an H200, see benchmarks/NOTES.md)
 
+_SMS = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    if device.index not in _SMS:
+        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device.index]
+
 
 def gemv_config(m: int, n: int, k: int) -> dict:
     if interpreting():
         return {"BN": 32, "BKW": 8, "num_warps": 1, "num_stages": 1}
-    return {"BN": 16 if n <= 4096 else 32, "BKW": 16, "num_warps": 4, "num_stages": 3}
+    return {"BN": 16, "BKW": 16, "num_warps": 4, "num_stages": 3}
 
 
-def mm_config(m: int, n: int, k: int) -> dict:
+def mm_config(m: int, n: int, k: int, elem_bytes: int = 2) -> dict:
     if interpreting():
-        return {"BM": 16, "BN": 32, "BKW": 4, "GROUP_M": 4, "num_warps": 1, "num_stages": 1}
+        return {"BM": 16, "BN": 32, "BKW": 4, "GROUP_M": 4, "SWAP_AB": m % 2 == 1, "num_warps": 1,
+                "num_stages": 1}
     if m <= 16:
-        return {"BM": 16, "BN": 64, "BKW": 8, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+        return {"BM": 16, "BN": 256, "BKW": 4, "GROUP_M": 1, "SWAP_AB": False, "num_warps": 4, "num_stages": 3}
     if m <= 64:
-        return {"BM": 64, "BN": 64, "BKW": 4, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
-    return {"BM": 128, "BN": 128, "BKW": 4, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+        return {"BM": 64, "BN": 128, "BKW": 4, "GROUP_M": 1, "SWAP_AB": False, "num_warps": 4, "num_stages": 4}
+    # fp32 operands take twice the shared memory per stage.
+    return {"BM": 128, "BN": 128, "BKW": 4, "GROUP_M": 8, "SWAP_AB": False, "num_warps": 4,
+            "num_stages": 4 if elem_bytes <= 2 else 2}
+
+
+def _split_k(tiles: int, kw: int, bkw: int, sms: int, requested: int | None) -> int:
+    """Split K until there are about two programs per multiprocessor (small M, few N tiles)."""
+    steps = -(-kw // bkw)
+    if requested is not None:
+        return max(1, min(requested, steps))
+    split = 1
+    while tiles * split * 2 <= 2 * sms and split * 2 <= steps and split < 16:
+        split *= 2
+    return split
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Persistent zeroed arrival counters for split-K (every launch leaves them at zero)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,7 +373,8 @@ def ternary_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, 
                    out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """``y = x @ W^T (+ bias)`` for a 2-D ``x`` (M, K); ``kernel`` is ``"gemv"`` or ``"mm"``.
 
-    ``out`` (M, N) in x's dtype may be given (tests poison it); ``config`` overrides the block sizes.
+    ``out`` (M, N) in x's dtype may be given (tests poison it); ``config`` overrides block sizes
+    (and ``SPLIT_K`` for ``mm``).
     """
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be (M, {k}), got {tuple(x.shape)}")
@@ -325,6 +389,11 @@ def ternary_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, 
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
+    if interpreting() and out.dtype == torch.bfloat16:
+        # The interpreter truncates fp32 -> bf16; the kernel writes fp32 and torch rounds to nearest.
+        y32 = torch.full((m, n), float("nan"), dtype=torch.float32)
+        ternary_linear(x, qweight, scale, bias, k, group_size, act_quant_flag, kernel, y32, config)
+        return out.copy_(y32)
     if act_quant_flag:
         xa, sx = act_quant(x)
     else:
@@ -342,7 +411,8 @@ def ternary_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, 
                            SCALE_MODE=scale_mode, EVEN_K=even_k, EVEN_N=n % cfg["BN"] == 0,
                            **common, **cfg, **fusion)
         return out
-    cfg = dict(mm_config(m, n, k), **(config or {}))
+    cfg = dict(mm_config(m, n, k, x.element_size()), **(config or {}))
+    requested = cfg.pop("SPLIT_K", None)
     scale_mode = _fit_group(cfg, group_size)
     if act_quant_flag:
         dot_dtype, precision = tl.bfloat16, "ieee"  # integers up to 128 and +-2 are exact in bf16
@@ -353,10 +423,19 @@ def ternary_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, 
     if dot_dtype == tl.bfloat16 and interpreting():
         # The interpreter multiplies bf16 tiles as their raw uint16 bits; fp32 holds them exactly.
         dot_dtype = tl.float32
+    tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
+    split = _split_k(tiles, kw, cfg["BKW"], _num_sms(x.device), requested)
+    kw_split = triton.cdiv(triton.cdiv(kw, split), cfg["BKW"]) * cfg["BKW"]
+    split = triton.cdiv(kw, kw_split)
     even_k = k == kw * WORD_CODES and kw % cfg["BKW"] == 0
-    grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
-    _mm_kernel[grid](xa, qweight, scale, b, sx, out, m, n, k, kw, g, max(group_size, 1),
-                     xa.stride(0), xa.stride(1), out.stride(0),
-                     SCALE_MODE=scale_mode, EVEN_K=even_k, DOT_DTYPE=dot_dtype, PRECISION=precision,
-                     **common, **cfg, **fusion)
+    if split > 1:
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, tiles)
+    else:
+        ws = cnt = scale  # unused
+    _mm_kernel[(tiles, split)](xa, qweight, scale, b, sx, out, ws, cnt, m, n, k, kw, g, max(group_size, 1),
+                               kw_split, split, xa.stride(0), xa.stride(1), out.stride(0),
+                               SCALE_MODE=scale_mode, EVEN_K=even_k, DOT_DTYPE=dot_dtype,
+                               PRECISION=precision, ASM_DECODE=dot_dtype != tl.float32 and not interpreting(),
+                               USE_SPLIT=split > 1, **common, **cfg, **fusion)
     return out

@@ -8,7 +8,6 @@ default sizes it from free RAM and takes half a minute to start).
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -92,7 +91,6 @@ def close_llm(llm) -> None:
 
 
 def _cleanup() -> None:
-    gc.collect()
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     cleanup_dist_env_and_memory()

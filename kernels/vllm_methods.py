@@ -33,12 +33,13 @@ from vllm.model_executor.parameter import (
 )
 from vllm.model_executor.utils import set_weight_attrs
 
+from kernels import int8x_ops, ternary_ops
 from references.errors import CheckpointError, DecodeError, FormatError
 from references.formats import Int8xSpec, TernarySpec
 from references.int8x import DTYPES as INT8X_DTYPES
+from references.int8x import decode_int8
 from references.linear import FLOAT_DTYPES
 
-ENV_BACKEND = "PARITY_KERNEL_BACKEND"
 _QKV_INDEX = {"q": 0, "k": 1, "v": 2}
 
 
@@ -154,23 +155,21 @@ class LoadTracker:
     def check_complete(self) -> None:
         missing = [name for key, name in self.expected.items() if key not in self.loaded]
         if missing:
-            shown = ", ".join(repr(m) for m in missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+            shown = ", ".join(repr(m) for m in missing[:6])
+            if len(missing) > 6:
+                shown += f" and {len(missing) - 6} more"
             raise CheckpointError(f"{self.model_dir or 'checkpoint'}: {len(missing)} tensor(s) missing for the "
                                   f"{self.method} layer {self.prefix}: {shown}")
 
 
-def kernel_backend(device: torch.device) -> str:
-    """``PARITY_KERNEL_BACKEND`` when set; else the CUDA kernels on a GPU and the torch op elsewhere.
+def int8x_backend(device: torch.device) -> str:
+    """``PARITY_KERNEL_BACKEND`` when set, else Triton on a GPU and the torch op elsewhere.
 
-    Triton on the CPU runs only in its interpreter (``TRITON_INTERPRET=1``), orders of magnitude slower,
-    so it is opt-in there.
+    int8x has a torch and a Triton implementation; ``cuda`` (which selects the CUDA ternary kernels)
+    selects int8x's GPU kernel, Triton.
     """
-    chosen = os.environ.get(ENV_BACKEND)
-    if chosen:
-        if chosen not in ("torch", "triton", "cuda"):
-            raise ValueError(f"{ENV_BACKEND}={chosen!r}: expected torch, triton or cuda")
-        return chosen
-    return "cuda" if device.type == "cuda" else "torch"
+    chosen = os.environ.get(int8x_ops.ENV_BACKEND) or None
+    return int8x_ops.resolve_backend("triton" if chosen == "cuda" else chosen, device)
 
 
 def _release(layer: torch.nn.Module, names) -> None:
@@ -282,8 +281,6 @@ class TernaryLinearMethod(LinearMethodBase):
         set_weight_attrs(scale, extra_weight_attrs)
 
     def process_weights_after_loading(self, layer) -> None:
-        ternary_ops = _ternary_ops()
-
         layer.parity_tracker.check_complete()
         spec = self.load_spec
         packed = getattr(layer, spec.weight_name).data
@@ -295,68 +292,38 @@ class TernaryLinearMethod(LinearMethodBase):
             scale = torch.repeat_interleave(scale, sizes)
             spec = dataclasses.replace(spec, scale_granularity="channel")
         native = ternary_ops.repack(packed, scale, spec, layer.parity_n, layer.parity_k)
+        _release(layer, (spec.weight_name, spec.scale_name))
+        # Buffers, so that moving the module moves the kernel-layout weight with it.
+        layer.register_buffer("parity_qweight", native.qweight, persistent=False)
+        layer.register_buffer("parity_scale", native.scale, persistent=False)
+        layer.parity_group_size = native.group_size
+        layer.parity_backend = ternary_ops.resolve_backend(None, packed.device)
         # A row-parallel rank sees only its slice of each token's features, but the per-token absmax
-        # of activation_quant is over the whole row: quantize here with the all-ranks max instead.
+        # of activation_quant is over the whole row: such layers quantize here with the all-ranks max.
         layer.parity_global_act_quant = (native.act_quant and isinstance(layer, RowParallelLinear)
                                          and layer.tp_size > 1)
-        if layer.parity_global_act_quant:
-            native = dataclasses.replace(native, act_quant=False)
-        layer.parity_native = native
-        layer.parity_backend = kernel_backend(packed.device)
-        _release(layer, (spec.weight_name, spec.scale_name))
+        layer.parity_act_quant = native.act_quant and not layer.parity_global_act_quant
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        ternary_ops = _ternary_ops()
-
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x.reshape(-1, layer.parity_k)
+        # The kernel for this many rows, chosen on the shape alone (a Python int), never on values.
+        kernel = ternary_ops.select_kernel(layer.parity_backend, x2.shape[0])
         if layer.parity_global_act_quant:
             xf = x2.to(torch.float32)
             amax = tensor_model_parallel_all_gather(xf.abs().amax(dim=-1, keepdim=True)).amax(dim=-1, keepdim=True)
             s_x = 127.0 / amax.clamp(min=1e-5)
             x_q = (xf * s_x).round().clamp(-128, 127).to(x.dtype)  # integers: exact in fp16 / bf16
-            y = ternary_ops.ternary_linear(x_q, layer.parity_native, bias=None, backend=layer.parity_backend)
-            y = (y.to(torch.float32) / s_x).to(x.dtype)
+            y = (_ternary_op(layer, x_q, None, kernel).to(torch.float32) / s_x).to(x.dtype)
             if bias is not None:
                 y = y + bias
         else:
-            y = ternary_ops.ternary_linear(x2, layer.parity_native, bias=bias, backend=layer.parity_backend)
+            y = _ternary_op(layer, x2, bias, kernel)
         return y.reshape(*x.shape[:-1], layer.parity_n)
 
 
-_FALLBACK = None
-
-
-def _ternary_ops():
-    """TEMPORARY until kernels/ternary_ops.py lands: its API over ternary_repack + a dense torch product."""
-    global _FALLBACK
-    if _FALLBACK is not None:
-        return _FALLBACK
-    try:
-        from kernels import ternary_ops
-        _FALLBACK = ternary_ops
-        return ternary_ops
-    except ImportError:
-        import types
-
-        from kernels import ternary_repack
-
-        cache = {}
-
-        def ternary_linear(x, native, bias=None, backend=None):
-            if id(native.qweight) not in cache:
-                cache[id(native.qweight)] = ternary_repack.native_weight(native, torch.float32)
-            w = cache[id(native.qweight)]
-            xf = x.to(torch.float32)
-            if native.act_quant:
-                s_x = 127.0 / xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
-                y = torch.nn.functional.linear((xf * s_x).round().clamp(-128, 127), w) / s_x
-            else:
-                y = torch.nn.functional.linear(xf, w)
-            y = y.to(x.dtype)
-            return y if bias is None else y + bias
-
-        _FALLBACK = types.SimpleNamespace(repack=ternary_repack.repack, ternary_linear=ternary_linear)
-        return _FALLBACK
+def _ternary_op(layer, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> torch.Tensor:
+    return torch.ops.vllm_parity.ternary_linear(x2, layer.parity_qweight, layer.parity_scale, bias, layer.parity_k,
+                                                layer.parity_group_size, layer.parity_act_quant, kernel)
 
 
 def _check_null_codes(tracker: LoadTracker, tensor: str, packed: torch.Tensor, spec: TernarySpec) -> None:
@@ -379,8 +346,8 @@ def _check_null_codes(tracker: LoadTracker, tensor: str, packed: torch.Tensor, s
 
 # -- int8x ---------------------------------------------------------------------------------------
 
-# Streams whose length follows from the logical shape alone; the others depend on the data.
 def _fixed_shape(suffix: str, n: int, k: int, spec: Int8xSpec) -> tuple[int, ...] | None:
+    """The shape of a stream whose length follows from the logical shape alone; None for data-dependent ones."""
     numel = n * k
     return {
         "weight_shape": (2,), "weight_scale": (1,), "weight_b1": (-(-numel // 32),),
@@ -442,8 +409,6 @@ class Int8xLinearMethod(LinearMethodBase):
             layer.register_parameter(suffix, param)
 
     def process_weights_after_loading(self, layer) -> None:
-        from references.int8x import decode_int8
-
         layer.parity_tracker.check_complete()
         for shard, streams in zip(layer.parity_tracker.shards, layer.parity_streams):
             # Full validation once, naming <module>.<suffix>; the ops trust their input afterwards.
@@ -452,24 +417,22 @@ class Int8xLinearMethod(LinearMethodBase):
             except (FormatError, DecodeError) as exc:
                 tensor = str(exc).split(":", 1)[0]
                 raise CheckpointError(f"{_file_of(layer.parity_tracker.model_dir, tensor)}: {exc}") from None
-        from kernels import int8x_ops  # registers torch.ops.vllm_parity.int8x_*
-
         layer.parity_shapes = [(s.n, s.k) for s in layer.parity_tracker.shards]
         layer.parity_n = sum(n for n, _ in layer.parity_shapes)
-        backend = kernel_backend(layer.parity_streams[0]["weight_b1"].device)
-        # int8x has Triton and torch implementations only: "cuda" selects its GPU kernel, Triton.
-        layer.parity_backend = int8x_ops.resolve_backend("triton" if backend == "cuda" else backend,
-                                                         layer.parity_streams[0]["weight_b1"].device)
+        layer.parity_backend = int8x_backend(layer.parity_streams[0]["weight_b1"].device)
         _release(layer, Int8xSpec.suffixes)
+        # Buffers, so that moving the module moves the streams with it; the load-time dicts go.
+        for i, streams in enumerate(layer.parity_streams):
+            for suffix in int8x_ops.STREAMS:
+                layer.register_buffer(f"parity_{i}_{suffix}", streams[suffix], persistent=False)
+        del layer.parity_streams
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        from kernels.int8x_ops import STREAMS
-
         x2 = x.reshape(-1, x.shape[-1])
         gemm = x2.shape[0] > self.GEMM_MIN_M
         outs = []
-        for (n, k), streams in zip(layer.parity_shapes, layer.parity_streams):
-            args = [streams[s] for s in STREAMS]
+        for i, (n, k) in enumerate(layer.parity_shapes):
+            args = [getattr(layer, f"parity_{i}_{suffix}") for suffix in int8x_ops.STREAMS]
             if gemm:
                 w = torch.ops.vllm_parity.int8x_decode(*args, n, k, self.spec.block_size, x2.dtype,
                                                        layer.parity_backend)

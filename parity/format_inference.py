@@ -33,7 +33,7 @@ from references.formats import Int8xSpec, TernarySpec
 SCHEMA = "parity-inspect/1"
 PACK_FACTOR = 4
 FEW = 16  # distinct values listed up to this many
-HYPOTHESES = (("interleaved", "lsb"), ("blocked", "lsb"))
+HYPOTHESES = (("interleaved", "lsb"), ("interleaved", "msb"), ("blocked", "lsb"), ("blocked", "msb"))
 MODES = ("multiply", "divide")
 SAMPLE_MATRICES = 7  # matrices searched exhaustively with --against (one layer); the rest are verified
 SCREEN_ELEMENTS = 1 << 20  # hypotheses are screened on a slice this large before a full-matrix check
@@ -41,8 +41,7 @@ DIAGNOSE_FAILED = 4  # matrices failing verification that are searched again to 
 TERNARY_DEFAULT = TernarySpec()
 INT8X_DEFAULT = Int8xSpec()
 TERNARY_KEYS = tuple(TERNARY_DEFAULT.to_config())
-DATA_KEYS = ("quant_method", "pack_axis", "pack_layout", "bit_order", "code_map", "scale_granularity",
-             "group_size", "scale_mode", "weight_name", "scale_name")
+_ORDER = TERNARY_KEYS + tuple(k for k in INT8X_DEFAULT.to_config() if k not in TERNARY_KEYS)
 
 # What a loader following a wrong key gets wrong: said beside each disagreement.
 CONSEQUENCE = {
@@ -409,39 +408,41 @@ def _why_not(fit: dict[str, Any]) -> str:
 
 
 def combine_fits(fits_by_module: dict[str, list[dict]]) -> tuple[list[dict], list[dict]]:
-    """Hypotheses that hold in every sampled matrix (merged code_map, scale modes), and why the others fail."""
+    """Hypotheses that hold in every sampled matrix (merged code_map, scale modes), and why the others fail.
+
+    Each rejected hypothesis counts the matrices it does fit: one that fits all but a few points at
+    those few (a corrupt or differently packed matrix) rather than at the format.
+    """
     survivors, rejected = [], []
     for layout, order in HYPOTHESES:
         code_map: list = [None] * 4
         modes = set(MODES)
-        reason = None
+        failures: list[tuple[str, str]] = []
         for module, fits in fits_by_module.items():
             fit = next(f for f in fits if f["pack_layout"] == layout and f["bit_order"] == order)
-            if not fit["consistent"]:
-                reason = _why_not(fit)
-                break
-            for c, v in enumerate(fit["code_map"]):
-                if v is None:
-                    continue
-                if code_map[c] is not None and code_map[c] != v:
-                    reason = f"code {c} stands for {code_map[c]} in an earlier matrix but for {v} in {module}"
-                    break
-                code_map[c] = v
-            if reason:
-                break
             fitting = {mode for mode, r in fit["modes"].items() if r["fits"]}
-            if not fitting:
-                reason = _why_not(fit)
-                break
+            if not fit["consistent"] or not fitting:
+                failures.append((module, _why_not(fit)))
+                continue
+            clash = [c for c, v in enumerate(fit["code_map"])
+                     if v is not None and code_map[c] is not None and code_map[c] != v]
+            if clash:
+                failures.append((module, f"code {clash[0]} stands for {fit['code_map'][clash[0]]} in {module} but "
+                                         f"for {code_map[clash[0]]} in the matrices before it"))
+                continue
+            if not modes & fitting:
+                failures.append((module, f"{module} needs scale_mode {'/'.join(sorted(fitting))}, the matrices "
+                                         f"before it {'/'.join(sorted(modes))}"))
+                continue
+            code_map = [v if v is not None else code_map[c] for c, v in enumerate(fit["code_map"])]
             modes &= fitting
-            if not modes:
-                reason = f"the sampled matrices need different scale modes (last: {module})"
-                break
         entry = {"pack_layout": layout, "bit_order": order}
-        if reason is None:
+        if not failures:
             survivors.append({**entry, "code_map": code_map, "scale_modes": [m for m in MODES if m in modes]})
         else:
-            rejected.append({**entry, "reason": reason})
+            rejected.append({**entry, "reason": failures[0][1], "fits": len(fits_by_module) - len(failures),
+                             "of": len(fits_by_module), "fails_in": [m for m, _ in failures]})
+    rejected.sort(key=lambda r: -r["fits"])
     return survivors, rejected
 
 
@@ -755,9 +756,14 @@ class Inspection:
         self.hypotheses = {"sampled": list(fits), "survivors": survivors, "rejected": rejected,
                            "per_matrix": [f for fs in fits.values() for f in fs]}
         if not survivors:
-            reasons = "; ".join(f"{r['pack_layout']}/{r['bit_order']}: {r['reason']}" for r in rejected)
-            self.failure = f"no hypothesis reproduces the float weights ({reasons})"
-            self.warnings.append(f"no quantization_config reproduces the float weights of {self.fck.path}: {reasons}")
+            best = rejected[0]
+            if best["fits"]:
+                why = (f"the closest, {best['pack_layout']}/{best['bit_order']}, fits {best['fits']} of {best['of']} "
+                       f"sampled matrices but not {', '.join(best['fails_in'])}: {best['reason']}")
+            else:
+                why = f"every (pack_layout, bit_order) fails, e.g. {best['pack_layout']}/{best['bit_order']}: {best['reason']}"
+            self.failure = "no hypothesis reproduces the float weights"
+            self.warnings.append(f"no quantization_config reproduces the float weights of {self.fck.path}: {why}")
             for key in ("pack_layout", "bit_order", "scale_mode"):
                 keys.take_fallback(key)
             return
@@ -1107,9 +1113,10 @@ class Inspection:
             "checkpoint": str(self.ckpt.path),
             "against": str(self.fck.path) if self.fck is not None else None,
             "format": self.format,
-            "declared_config": self.declared_raw,
+            "declared_config": _jsonable(self.declared_raw),
             "quantization_config": config,
-            "partial_config": None if config is not None or keys is None else _jsonable(keys.values),
+            "partial_config": None if config is not None or keys is None else _jsonable(
+                {k: keys.values[k] for k in _ORDER if k in keys.values}),
             "key_sources": sources,
             "inferred_keys": [k for k, s in sources.items() if s == "inferred"],
             "declared_keys": [k for k, s in sources.items() if s == "declared"],

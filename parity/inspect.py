@@ -18,7 +18,7 @@ from parity.format_inference import inspect_checkpoint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = __doc__.split("\n\n")[1].replace("\n", " ")
+    parser.description = __doc__.split("\n\n")[1].replace("\n", " ").replace("``", "")
     parser.add_argument("checkpoint", help="checkpoint directory (config.json + *.safetensors)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (for tools)")
     parser.add_argument("--against", metavar="FLOAT_CKPT",
@@ -103,15 +103,16 @@ def render(r: dict[str, Any]) -> str:
         out += _matrix_table(quant)
         srcs = {m.get("zero_fraction_source") for m in quant if m.get("zero_fraction_source")}
         if srcs:
-            out.append(f"  zero fraction from the code table: {', '.join(sorted(srcs))} "
+            out.append(f"  zero fraction from: {', '.join(sorted(srcs))} "
                        f"(the share of multiply-adds a sparsity-skipping kernel could drop)")
     if r["code_table"]:
         out += ["", "CODE TABLE"] + _code_table(r)
     if r["hypotheses"]:
         out += ["", f"HYPOTHESES (searched in full on {len(r['hypotheses']['sampled'])} matrices)"]
         out += _hypotheses(r["hypotheses"])
-    out += ["", "QUANTIZATION_CONFIG" + ("" if r["against"] else " (keys the tensors cannot show come from "
-                                          "config.json or the defaults; --against FLOAT_CKPT infers them)")]
+    hint = not r["against"] and (r["quantization_config"] or r["partial_config"])
+    out += ["", "QUANTIZATION_CONFIG" + (" (keys the tensors cannot show come from config.json or the defaults; "
+                                         "--against FLOAT_CKPT infers them)" if hint else "")]
     out += _config(r)
     if r["verification"]:
         out += ["", "VERIFICATION"] + _verification(r["verification"])
@@ -197,8 +198,8 @@ def _hypotheses(h: dict) -> list[str]:
         rows.append([f"{s['pack_layout']}/{s['bit_order']}", "fits",
                      f"code_map {_j(s['code_map'])}, scale_mode {' or '.join(s['scale_modes'])}"])
     for s in h["rejected"]:
-        rows.append([f"{s['pack_layout']}/{s['bit_order']}", "no", s["reason"]])
-    return _table(["layout/bit order", "", "evidence"], rows)
+        rows.append([f"{s['pack_layout']}/{s['bit_order']}", f"no ({s['fits']}/{s['of']})", s["reason"]])
+    return _table(["layout/bit order", "fits", "evidence (first matrix it fails)"], rows)
 
 
 def _config(r: dict) -> list[str]:

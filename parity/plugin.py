@@ -16,7 +16,7 @@ import pytest
 from parity.session import CANDIDATES, LEVELS, Options, ParitySession
 from parity.taps import level_of
 
-MODEL_CHECKS = ("greedy", "topk")
+MODEL_CHECKS = ("greedy", "topk", "logprobs")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -44,6 +44,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--parity-keep", type=int, default=20, metavar="N", help="keep the newest N snapshot runs")
     g.addoption("--parity-snapshot-max-gb", type=float, default=2.0, metavar="GB",
                 help="keep snapshots under this many GB")
+    g.addoption("--parity-tp", type=int, default=1, metavar="N",
+                help="tensor-parallel size of the vLLM candidate (ranks' taps are gathered)")
+    g.addoption("--parity-compiled", action="store_true",
+                help="run the engine compiled (not eager): module hooks do not fire, so only the model level "
+                     "runs, on vLLM's own outputs (greedy tokens, prompt log-probs)")
     g.addoption("--parity-greedy-tokens", type=int, default=8, metavar="N",
                 help="tokens of greedy continuation compared at the model level")
 
@@ -64,6 +69,7 @@ def _options(config: pytest.Config) -> Options:
         dump_dir=opt("--parity-dump-dir"), report_dir=opt("--parity-report"),
         snapshot_dir=opt("--parity-snapshot-dir"), keep=opt("--parity-keep"),
         snapshot_max_gb=opt("--parity-snapshot-max-gb"), greedy_tokens=opt("--parity-greedy-tokens"),
+        tensor_parallel_size=opt("--parity-tp"), compiled=opt("--parity-compiled"),
         root=str(config.rootpath), command=["pytest", *config.invocation_params.args],
     )
 
@@ -100,8 +106,8 @@ class ParityItem(pytest.Item):
     def runtest(self) -> None:
         session = self.config._parity_state.parity()
         if self.check in MODEL_CHECKS:
-            result = session.greedy() if self.check == "greedy" else session.topk()
-            for k in ("agree", "total", "k"):
+            result = getattr(session, self.check)()
+            for k in ("agree", "total", "k", "positions", "max_abs"):
                 if k in result:
                     self.user_properties.append((k, result[k]))
             if not result["passed"]:
@@ -133,6 +139,9 @@ def _describe_check(check: str, result: dict) -> str:
         return (f"greedy continuation differs for {len(bad)} prompt(s); prompt {r['prompt']} first at step {i}: "
                 f"reference {r['reference'][i]}, candidate {r['candidate'][i]} "
                 f"(reference {r['reference']}, candidate {r['candidate']})")
+    if check == "logprobs":
+        return (f"prompt log-probs: {len(result['mismatches'])}+ of {result['positions']} positions differ "
+                f"(max abs {result['max_abs']:.3g}, atol {result['atol']:g}); first: {result['mismatches'][:3]}")
     return (f"top-{result['k']} agreement {result['agree']}/{result['total']} positions; "
             f"disagreeing at {result['disagree_at']}")
 
@@ -154,8 +163,11 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     builtin = [ParityItem.from_parent(parent, name=f"test_parity[{level_of(t)}-{t}]", check=t, level=level_of(t))
                for t in parity.taps()]
     if top == LEVELS.index("model") and not config.getoption("--parity-taps"):
+        checks = [c for c in MODEL_CHECKS if not (config.getoption("--parity-compiled") and c == "topk")]
+        if parity.opts.candidate != "vllm":
+            checks = [c for c in checks if c != "logprobs"]  # vLLM's own log-prob API
         builtin += [ParityItem.from_parent(parent, name=f"test_parity[model-{c}]", check=c, level="model")
-                    for c in MODEL_CHECKS]
+                    for c in checks]
     keep += builtin
     keep.sort(key=lambda it: LEVELS.index(_level_of(it)))  # stable: kernel tests, then taps, per level
     items[:] = keep

@@ -28,6 +28,7 @@ from references.checkpoint import Checkpoint
 
 LEVELS = ("op", "block", "model")
 CANDIDATES = ("vllm", "kernels")
+CACHE_DECODED_BYTES = 1 << 30
 
 
 @dataclass
@@ -44,6 +45,8 @@ class Options:
     snapshot_dir: str = ".parity/snapshots"
     keep: int = 20
     snapshot_max_gb: float = 2.0
+    tensor_parallel_size: int = 1
+    compiled: bool = False  # the engine's compiled graph: no module hooks, model-level checks only
     greedy_tokens: int = 8
     top_k: int = 5
     command: list[str] = field(default_factory=lambda: list(sys.argv))
@@ -60,6 +63,7 @@ class ParitySession:
         self.num_layers = int(self.ckpt.config["num_hidden_layers"])
         self.prompts = load_prompts(opts.prompts or DEFAULT, vocab_size=int(self.ckpt.config["vocab_size"]))
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self._dump_root: Path | None = None
         self.results: dict[str, TapResult] | None = None
         self.error: BaseException | None = None
         self.extras: dict[str, dict[str, Any]] = {}
@@ -71,6 +75,8 @@ class ParitySession:
     # -- what runs ------------------------------------------------------------------------------
 
     def taps(self) -> list[str]:
+        if self.opts.compiled:
+            return []  # hooks do not fire inside the compiled graph
         top = LEVELS.index(self.opts.level)
         taps = [t for t in canonical_order(self.num_layers) if LEVELS.index(level_of(t)) <= top
                 and not t.endswith(".input")]
@@ -83,15 +89,18 @@ class ParitySession:
         return self.ckpt.spec.quant_method if self.ckpt.spec is not None else "fp"
 
     def dump_root(self) -> Path:
-        if self.opts.dump_dir:
-            root = Path(self.opts.dump_dir)
-            for side in ("reference", "candidate"):
-                if (root / side / "manifest.json").exists():
-                    raise FileExistsError(f"{root / side}: already holds a dump; choose an empty --parity-dump-dir")
-            return root
-        if self._tmp is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="parity-dumps-")
-        return Path(self._tmp.name)
+        if self._dump_root is None:
+            if self.opts.dump_dir:
+                root = Path(self.opts.dump_dir)
+                for side in ("reference", "candidate"):
+                    if (root / side / "manifest.json").exists():
+                        raise FileExistsError(f"{root / side}: already holds a dump; choose an empty "
+                                              f"--parity-dump-dir")
+            else:
+                self._tmp = tempfile.TemporaryDirectory(prefix="parity-dumps-")
+                root = Path(self._tmp.name)
+            self._dump_root = root
+        return self._dump_root
 
     def meta(self, side: str) -> dict[str, Any]:
         import transformers
@@ -108,8 +117,13 @@ class ParitySession:
         return {"side": side, "model": str(self.model_dir), "model_sha256": checkpoint_sha256(self.model_dir),
                 "prompts_sha256": prompts_sha256(self.prompts), "format": self.format, "versions": versions}
 
+    def capture_taps(self) -> list[str]:
+        """The compared taps plus every layer's input (what isolated runs and diagnosis read)."""
+        wanted = set(self.taps())
+        return [t for t in canonical_order(self.num_layers) if t in wanted or t.endswith(".input")]
+
     def wanted(self, tap: str) -> bool:
-        return tap.endswith(".input") or tap in set(self.taps())
+        return tap in set(self.capture_taps())
 
     # -- the two sides --------------------------------------------------------------------------
 
@@ -118,7 +132,9 @@ class ParitySession:
         from references.model import build_reference_model
 
         t0 = time.perf_counter()
-        model = build_reference_model(self.ckpt)
+        # Decoded fp32 weights of a large model would dominate memory: decode them per forward instead.
+        decoded = 4 * sum(n * k for n, k in self.ckpt.linear_shapes().values())
+        model = build_reference_model(self.ckpt, cache=decoded <= CACHE_DECODED_BYTES)
         dump = reference_side.capture(model, self.prompts, self.dump_root() / "reference", self.meta("reference"),
                                       wanted=self.wanted)
         self.timings["reference_s"] = time.perf_counter() - t0
@@ -132,7 +148,9 @@ class ParitySession:
             t0 = time.perf_counter()
             max_len = max(len(p) for p in self.prompts) + self.opts.greedy_tokens + 8
             self._llm = make_llm(self.model_dir, max_model_len=max(256, max_len),
-                                 max_num_seqs=max(4, len(self.prompts)))
+                                 max_num_seqs=max(4, len(self.prompts)),
+                                 tensor_parallel_size=self.opts.tensor_parallel_size,
+                                 enforce_eager=not self.opts.compiled)
             self.timings["engine_start_s"] = time.perf_counter() - t0
         return self._llm
 
@@ -142,7 +160,7 @@ class ParitySession:
         if self.opts.candidate == "vllm":
             from parity import vllm_side
 
-            dump = vllm_side.capture(self.llm(), self.prompts, out, self.meta("candidate"), wanted=self.wanted)
+            dump = vllm_side.capture(self.llm(), self.prompts, out, self.meta("candidate"), taps=self.capture_taps())
         elif self.opts.candidate == "kernels":
             from parity import reference_side
             from parity.kernel_candidate import build_kernel_model
@@ -158,6 +176,10 @@ class ParitySession:
         """Make both dumps and compare every tap (once); an error is kept and re-raised per item."""
         if self.results is None and self.error is None:
             try:
+                if self.opts.compiled:
+                    self.reference = self.reference_dump()
+                    self.results = {}
+                    return self.results
                 self.reference, self.candidate = self.reference_dump(), self.candidate_dump()
                 t0 = time.perf_counter()
                 results = compare_dumps(self.reference, self.candidate, self.taps(), self.opts.tolerances)
@@ -208,6 +230,40 @@ class ParitySession:
                                    "disagree_at": worst[:10]}
         return self.extras["topk"]
 
+    def logprobs(self) -> dict[str, Any]:
+        """vLLM's own prompt log-probs (top-k at every position, as its API returns them) against the
+        reference's log-softmax, in the manner of vLLM's check_logprobs_close: the two top-1 tokens must
+        each be in the other's top-k, and every returned log-prob within the ``logprobs`` tolerance."""
+        if "logprobs" not in self.extras:
+            self.run()
+            from kernels.vllm_engine import generate
+
+            k = self.opts.top_k
+            tol = self.opts.tolerances.resolve("logprobs", torch.float32)
+            outs = generate(self.llm(), self.prompts, max_tokens=1, prompt_logprobs=k)
+            worst, misses, checked = 0.0, [], 0
+            for p, ids in enumerate(self.prompts):
+                with torch.no_grad():
+                    ref = torch.log_softmax(self._reference_model(torch.tensor([ids]), use_cache=False)
+                                            .logits[0].double(), dim=-1)
+                for t, entry in enumerate(outs[p].prompt_logprobs or []):
+                    if entry is None:
+                        continue  # position 0 has nothing before it
+                    row = ref[t - 1]
+                    ref_top = row.topk(k).indices.tolist()
+                    cand_top = [tok for tok, _ in sorted(entry.items(), key=lambda kv: -kv[1].logprob)][:k]
+                    diffs = [(abs(lp.logprob - float(row[tok])), abs(float(row[tok]))) for tok, lp in entry.items()]
+                    diff = max(d for d, _ in diffs)
+                    worst = max(worst, diff)
+                    checked += 1
+                    close = all(d <= tol.atol + tol.rtol * r for d, r in diffs)
+                    if ref_top[0] not in entry or cand_top[0] not in ref_top or not close:
+                        misses.append({"prompt": p, "position": t, "max_abs": diff,
+                                       "reference_top": ref_top[:3], "candidate_top": cand_top[:3]})
+            self.extras["logprobs"] = {"passed": not misses, "k": k, "positions": checked, "max_abs": worst,
+                                       "atol": tol.atol, "mismatches": misses[:10]}
+        return self.extras["logprobs"]
+
     def _kernel_model(self):
         from parity.kernel_candidate import build_kernel_model
 
@@ -233,6 +289,7 @@ class ParitySession:
         return self.report_dir
 
     def write_report(self) -> Path:
+        t0 = time.perf_counter()
         results = list(self.results.values())
         first = first_divergence(results)
         run = {"id": self.id, "started": self.started, "model": str(self.model_dir), "format": self.format,
@@ -249,6 +306,7 @@ class ParitySession:
             f = first or failing[0]
             heat = report_mod.heatmap_of(f.name, *self._stacked_pair(f.name))
         root = Path(self.opts.report_dir) if self.opts.report_dir else Path(self.opts.root) / "reports" / self.id
+        self.timings["report_s"] = time.perf_counter() - t0  # the report's own write is not in it
         self.report_dir = report_mod.write(root, rep, heat)
         if failing:
             self.snapshot = self.write_snapshot(failing)

@@ -64,6 +64,12 @@ VLLM_LLAMA: tuple[TapPoint, ...] = (
     TapPoint("logits", "logits_processor", "output"),
 )
 
+# How the tensor-parallel ranks' tensors of a tap combine, keyed by the tap without "layers.{i}.":
+# column-parallel outputs are shards along features (k/v shards repeat when kv heads < ranks);
+# everything else is replicated or already reduced, and rank 0 holds it whole.
+TP_GATHER = {"attn.q": "column", "attn.k": "column_kv", "attn.v": "column_kv", "attn.context": "column",
+             "mlp.gate": "column", "mlp.up": "column", "mlp.act": "column"}
+
 FAMILIES = {"llama": {"hf": HF_LLAMA, "vllm": VLLM_LLAMA}}
 
 

@@ -1,11 +1,17 @@
 """Dumping the taps of the real vLLM engine, aligned with the reference as (prompt, position, features).
 
+Hooks are installed where the model lives, in every worker, through ``collective_rpc`` with the
+module-level functions below (importable, so they reach spawned tensor-parallel workers and the
+multiprocess engine as well as the in-process one). Each rank streams its taps to its own dump; the
+parent then gathers the ranks: column-parallel outputs are concatenated along features, everything
+else (replicated, or row-parallel and already reduced) is taken from rank 0.
+
 vLLM flattens every scheduled token of a step into one batch. Rows are mapped back from the step's
 own metadata, never from an assumed order: ``query_start_loc`` of the attention metadata splits the
 batch into requests, the model runner's ``input_batch.req_ids`` names them (our request ids carry
-the prompt index), and the positions come from the model's own ``positions`` argument. The engine
-runs with prefix caching and chunked prefill off (``kernels.vllm_engine``), so each prompt is one
-full forward, which is checked here rather than trusted.
+the prompt index), and the positions are the first decoder layer's ``positions`` argument. The
+engine runs with prefix caching and chunked prefill off (``kernels.vllm_engine``); that each prompt
+ran as one full forward is checked, not trusted.
 
 The ``logits`` tap: vLLM computes logits only for sampled positions, so the tap applies the model's
 own ``compute_logits`` (logits processor + lm_head, the path vLLM samples from) to every position's
@@ -15,16 +21,17 @@ final hidden state inside the same forward.
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from parity.dumps import DumpReader, DumpWriter
+from parity.dumps import DumpReader, DumpWriter, key
 from parity.recorder import Recorder
-from parity.taps import VLLM_LLAMA
+from parity.taps import TP_GATHER, VLLM_LLAMA
 
 REQUEST = re.compile(r"^parity-(\d+)(?:-|$)")
+_ACTIVE: dict[str, dict] = {}  # per worker process: capture id -> its recorder and hooks
 
 
 class _StepRows:
@@ -33,7 +40,6 @@ class _StepRows:
     def __init__(self, runner, prompt_lens: list[int]):
         self.runner = runner
         self.prompt_lens = prompt_lens
-        self.positions: torch.Tensor | None = None
         self.spans: list[tuple[int, int, int]] | None = None  # (prompt, start row, end row)
 
     def begin(self) -> None:
@@ -52,9 +58,8 @@ class _StepRows:
         spans = []
         for r, rid in enumerate(req_ids):
             m = REQUEST.match(str(rid))
-            if m is None:
-                continue  # not one of ours
-            spans.append((int(m.group(1)), qsl[r], qsl[r + 1]))
+            if m is not None:
+                spans.append((int(m.group(1)), qsl[r], qsl[r + 1]))
         self.spans = spans
 
     def check_positions(self, positions: torch.Tensor) -> None:
@@ -73,42 +78,64 @@ class _StepRows:
         return {p: t[s:e] for p, s, e in self.spans}
 
 
-def _q_kv_sizes(model) -> dict:
+def _install_worker(worker, capture_id: str, out: str, prompt_lens: list[int], taps: list[str] | None,
+                    meta: dict) -> int:
+    """Runs in each worker: hook the model, stream this rank's taps to ``out/rank{r}``."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    rank = get_tensor_model_parallel_rank()
+    runner = worker.model_runner
+    model = runner.get_model()
+    rows = _StepRows(runner, prompt_lens)
+    writer = DumpWriter(Path(out) / f"rank{rank}", {**meta, "rank": rank})
+    wanted = set(taps) if taps is not None else None
     attn = model.model.layers[0].self_attn
-    return {"q": attn.q_size, "kv": attn.kv_size}
+    rec = Recorder(model, VLLM_LLAMA, model.config.num_hidden_layers, writer,
+                   sizes={"q": attn.q_size, "kv": attn.kv_size},
+                   wanted=lambda t: t != "logits" and (wanted is None or t in wanted))
+    rec.rows = rows
+    # The compiled-model decorator calls LlamaModel around nn.Module.__call__, so its own hooks never
+    # fire: the step starts at the embedding, and positions are the first decoder layer's argument.
+    handles = [model.model.embed_tokens.register_forward_pre_hook(lambda mod, args: rows.begin()),
+               model.model.layers[0].register_forward_pre_hook(lambda mod, args: rows.check_positions(args[0]))]
+    rec.install()
+    if wanted is None or "logits" in wanted:
+        def logits(mod, args, out):
+            if rows.spans:
+                full = model.compute_logits(out[0] if isinstance(out, tuple) else out)
+                if full is not None:  # ranks other than 0 may get None from the gather
+                    rec._capture("logits", full)
+        handles.append(model.model.norm.register_forward_hook(logits))
+    _ACTIVE[capture_id] = {"rec": rec, "handles": handles, "writer": writer}
+    return {"rank": rank, "kv_heads": attn.num_kv_heads, "total_kv_heads": attn.total_num_kv_heads}
+
+
+def _finish_worker(worker, capture_id: str) -> dict:
+    state = _ACTIVE.pop(capture_id)
+    rec: Recorder = state["rec"]
+    rec.flush()
+    rec.remove()
+    for h in state["handles"]:
+        h.remove()
+    state["writer"].close()
+    return {"seen": sorted(rec.seen), "planned": [t for t, _, _ in rec.plan]}
 
 
 def capture(llm, prompts: list[list[int]], out: str | Path, meta: dict | None = None,
-            wanted: Callable[[str], bool] | None = None) -> DumpReader:
-    """Run every prompt once through ``llm`` (in-process engine) and dump its taps."""
+            taps: list[str] | None = None) -> DumpReader:
+    """Run every prompt once through ``llm`` and dump its taps (``taps`` None: all of them)."""
     from vllm import SamplingParams
 
-    writer = DumpWriter(out, meta)
-    runner = llm.collective_rpc(_model_runner)[0]
-    rows = _StepRows(runner, [len(p) for p in prompts])
-    state: dict = {}
-
-    def install(model):
-        # The decorated LlamaModel is called around nn.Module.__call__, so its own hooks never fire:
-        # the step starts at the embedding, and positions are the first decoder layer's first argument.
-        handles = [model.model.embed_tokens.register_forward_pre_hook(lambda mod, args: rows.begin()),
-                   model.model.layers[0].register_forward_pre_hook(
-                       lambda mod, args: rows.check_positions(args[0]))]
-        rec = Recorder(model, VLLM_LLAMA, model.config.num_hidden_layers, writer, sizes=_q_kv_sizes(model),
-                       wanted=_without_logits(wanted))
-        rec.rows = rows
-        rec.install()
-        if wanted is None or wanted("logits"):
-            def logits(mod, args, out):
-                hidden = out[0] if isinstance(out, tuple) else out
-                if rows.spans:
-                    rec._capture("logits", model.compute_logits(hidden))
-            handles.append(model.model.norm.register_forward_hook(logits))
-        state["rec"], state["handles"] = rec, handles
-        return True
-
-    llm.apply_model(install)
-    rec: Recorder = state["rec"]
+    out = Path(out)
+    ranks_dir = out.parent / f".{out.name}.ranks"
+    shutil.rmtree(ranks_dir, ignore_errors=True)
+    capture_id = f"{out}"
+    meta = dict(meta or {})
+    infos = llm.collective_rpc(_install_worker, args=(capture_id, str(ranks_dir), [len(p) for p in prompts],
+                                                      taps, meta))
+    world = len(infos)
+    # with fewer kv heads than ranks, consecutive ranks hold the same kv head
+    kv_step = max(1, world // max(1, infos[0]["total_kv_heads"]))
     try:
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         engine = llm.llm_engine
@@ -116,22 +143,37 @@ def capture(llm, prompts: list[list[int]], out: str | Path, meta: dict | None = 
             engine.add_request(f"parity-{p}", {"prompt_token_ids": list(ids)}, params)
         while engine.has_unfinished_requests():
             engine.step()
-        rec.flush()
     finally:
-        rec.remove()
-        for h in state["handles"]:
-            h.remove()
-    expected = [t for t, _, _ in rec.plan] + ([] if wanted is not None and not wanted("logits") else ["logits"])
-    missing = [t for t in expected if t not in rec.seen]
+        states = llm.collective_rpc(_finish_worker, args=(capture_id,))
+    seen = set().union(*(set(s["seen"]) for s in states))
+    planned = states[0]["planned"] + ([] if taps is not None and "logits" not in taps else ["logits"])
+    missing = [t for t in planned if t not in seen]
     if missing:
         raise RuntimeError(f"taps never fired in vLLM: {missing[:5]} (hooks need enforce_eager=True)")
-    writer.meta["side"] = writer.meta.get("side", "candidate")
-    return DumpReader(writer.close())
+    _gather_ranks(ranks_dir, out, world, kv_step, {**meta, "side": meta.get("side", "candidate"),
+                                                   "tensor_parallel_size": world})
+    shutil.rmtree(ranks_dir, ignore_errors=True)
+    return DumpReader(out)
 
 
-def _model_runner(worker):
-    return worker.model_runner
-
-
-def _without_logits(wanted):
-    return lambda tap: tap != "logits" and (wanted is None or wanted(tap))
+def _gather_ranks(ranks_dir: Path, out: Path, world: int, kv_step: int, meta: dict) -> None:
+    """One dump from the ranks' dumps, a layer group at a time."""
+    readers = [DumpReader(ranks_dir / f"rank{r}") for r in range(world)]
+    writer = DumpWriter(out, meta)
+    by_group: dict[str, dict[str, torch.Tensor]] = {}
+    for tap in readers[0].taps():
+        group = ".".join(tap.split(".")[:2]) if tap.startswith("layers.") else tap
+        how = TP_GATHER.get(tap.split(".", 2)[-1] if tap.startswith("layers.") else tap, "replicated")
+        for p in readers[0].prompts(tap):
+            if how.startswith("column") and world > 1:
+                ranks = readers[::kv_step] if how == "column_kv" else readers
+                t = torch.cat([r.get(tap, p) for r in ranks], dim=-1)
+            else:
+                t = readers[0].get(tap, p)
+            by_group.setdefault(group, {})[key(tap, p)] = t
+        if len(by_group) > 1:  # a group is complete once the next one starts
+            first = next(iter(by_group))
+            writer.write(first, by_group.pop(first))
+    for group, tensors in by_group.items():
+        writer.write(group, tensors)
+    writer.close()

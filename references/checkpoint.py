@@ -7,6 +7,7 @@ a loader.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass
@@ -98,7 +99,6 @@ class Checkpoint:
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: not a checkpoint directory")
         self.config = self._read_config()
-        self.spec: FormatSpec | None = _parse_spec(self.config, self.path / "config.json")
         self.tensors: dict[str, TensorInfo] = {}
         for file in self._weight_files():
             for name, info in read_safetensors_header(file).items():
@@ -107,6 +107,11 @@ class Checkpoint:
                         f"{file}: tensor {name!r} also stored in {self.tensors[name].file.name}")
                 self.tensors[name] = info
         self._handles: dict[Path, Any] = {}
+
+    @functools.cached_property
+    def spec(self) -> FormatSpec | None:
+        """The format, parsed on first use (so a broken config still lets the tensors be listed)."""
+        return _parse_spec(self.config, self.path / "config.json")
 
     # -- reading ----------------------------------------------------------------------------
 

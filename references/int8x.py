@@ -141,12 +141,12 @@ def unpack_stream(words: torch.Tensor | np.ndarray, count: int, width: int, sign
         # (numpy packs a flat array ~5x faster than along a short axis).
         u = np.packbits(rows.reshape(-1), bitorder="little").reshape(c, nbytes)
         if nbytes == 1:
-            val = u[:, 0].astype(np.int32)
+            val = u[:, 0].astype(np.int64)
         else:
             full = np.zeros((c, 4), dtype=np.uint8)
             full[:, :nbytes] = u
-            val = full.view("<u4").reshape(c).astype(np.int32)  # < 2**31: width <= 31
-        if signed:
+            val = full.view("<u4").reshape(c).astype(np.int64)
+        if signed:  # int64 so that width 31 does not overflow
             val -= (val >> (width - 1) & 1) << width
         out[i0:i0 + c] = val
     return torch.from_numpy(out)
@@ -155,16 +155,16 @@ def unpack_stream(words: torch.Tensor | np.ndarray, count: int, width: int, sign
 # -- levels -------------------------------------------------------------------------------------
 
 
-def _flat_int8(q: torch.Tensor) -> np.ndarray:
+def _flat_int8(q: torch.Tensor, what: str) -> np.ndarray:
     if not isinstance(q, torch.Tensor) or q.dtype != torch.int8:
-        raise FormatError(f"int8x encode: q must be an int8 tensor, got "
+        raise FormatError(f"int8x {what}: q must be an int8 tensor, got "
                           f"{q.dtype if isinstance(q, torch.Tensor) else type(q).__name__}")
     return _np(q).reshape(-1)
 
 
 def levels(q: torch.Tensor) -> dict:
     """Level statistics of int8 weights: counts ``n1, n2, n3`` and fractions ``l1, l2, l3``."""
-    a = np.abs(_flat_int8(q).astype(np.int16))
+    a = np.abs(_flat_int8(q, "levels").astype(np.int16))
     n = a.size
     n3 = int(np.count_nonzero(a > L2_MAX))
     n2 = int(np.count_nonzero(a > L1_MAX)) - n3
@@ -197,13 +197,13 @@ def block_tables(nonl1: np.ndarray, is_l3: np.ndarray, block_size: int) -> tuple
 
 def encode(q: torch.Tensor, scale: float | torch.Tensor, spec: Int8xSpec = Int8xSpec()) -> dict[str, torch.Tensor]:
     """Int8 weights ``(N, K)`` and a per-tensor scale -> the 9 int8x tensors, keyed by suffix."""
-    v = _flat_int8(q)
+    v = _flat_int8(q, "encode")
     if q.dim() != 2 or q.shape[0] <= 0 or q.shape[1] <= 0:
         raise FormatError(f"int8x encode: q must be a non-empty 2-D (N, K) tensor, got shape {tuple(q.shape)}")
     n = v.size
     if n > INT32_MAX:
         raise FormatError(f"int8x encode: {n} elements exceed the int32 counts of the block tables")
-    s = torch.as_tensor(scale, dtype=torch.float32).reshape(-1)
+    s = torch.as_tensor(scale, dtype=torch.float32).detach().cpu().reshape(-1)
     if s.numel() != 1 or not bool(torch.isfinite(s).all()):
         raise FormatError(f"int8x encode: scale must be one finite number, got {scale!r}")
 
@@ -301,7 +301,7 @@ def decode_int8(tensors: dict[str, torch.Tensor], spec: Int8xSpec = Int8xSpec(),
 
     l1w = c.get("weight_l1", (n_words(L1_BITS * n1),), f" = ceil(3*n1/32) for n1={n1} L1 values")
     l2w = c.get("weight_l2", (n_words(L2_BITS * n2),), f" = ceil(5*n2/32) for n2={n2} L2 values")
-    l3b = c.get("weight_l3", (n3,), f" = n3, the one bits of b2")
+    l3b = c.get("weight_l3", (n3,), " = n3, the one bits of b2")
     c.trailing_zero("weight_l1", l1w, L1_BITS * n1)
     c.trailing_zero("weight_l2", l2w, L2_BITS * n2)
 

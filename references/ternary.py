@@ -23,20 +23,34 @@ def _packed_to_axis_last(packed: torch.Tensor, spec: TernarySpec) -> torch.Tenso
     return packed if spec.pack_axis == "input" else packed.t()
 
 
-def unpack_codes(packed: torch.Tensor, spec: TernarySpec, name: str = "weight") -> torch.Tensor:
-    """The 2-bit codes (0..3, uint8) of a packed tensor, in the logical ``(N, K)`` shape."""
+def _check_packed(packed: torch.Tensor, name: str) -> None:
     if packed.dtype != torch.uint8:
         raise FormatError(f"{name}: packed ternary weight must be uint8, got {packed.dtype}")
     if packed.dim() != 2:
         raise FormatError(f"{name}: packed ternary weight must be 2-D, got shape {tuple(packed.shape)}")
-    rows = _packed_to_axis_last(packed, spec)  # (other, P): bytes along the packed axis
-    other, p = rows.shape
-    fields = (rows.unsqueeze(-1) >> _shifts(spec).to(torch.uint8)) & 3  # (other, P, 4): [.., byte, field]
+
+
+def byte_fields(spec: TernarySpec) -> torch.Tensor:
+    """(256, 4) uint8: the code in field f of every byte value."""
+    return (torch.arange(256, dtype=torch.uint8).unsqueeze(-1) >> _shifts(spec).to(torch.uint8)) & 3
+
+
+def _per_byte_to_logical(per_byte: torch.Tensor, spec: TernarySpec) -> torch.Tensor:
+    """(other, P, 4) per byte and field -> the logical (N, K) tensor."""
+    other, p, _ = per_byte.shape
     if spec.pack_layout == "interleaved":
-        codes = fields.reshape(other, 4 * p)  # element e = 4 * byte + field
+        flat = per_byte.reshape(other, 4 * p)  # element e = 4 * byte + field
     else:
-        codes = fields.transpose(1, 2).reshape(other, 4 * p)  # element e = field * P + byte
-    return codes if spec.pack_axis == "input" else codes.t().contiguous()
+        flat = per_byte.transpose(1, 2).reshape(other, 4 * p)  # element e = field * P + byte
+    return flat if spec.pack_axis == "input" else flat.t().contiguous()
+
+
+def unpack_codes(packed: torch.Tensor, spec: TernarySpec, name: str = "weight") -> torch.Tensor:
+    """The 2-bit codes (0..3, uint8) of a packed tensor, in the logical ``(N, K)`` shape."""
+    _check_packed(packed, name)
+    rows = _packed_to_axis_last(packed, spec)  # (other, P): bytes along the packed axis
+    fields = (rows.unsqueeze(-1) >> _shifts(spec).to(torch.uint8).to(rows.device)) & 3  # (other, P, 4)
+    return _per_byte_to_logical(fields, spec)
 
 
 def pack_codes(codes: torch.Tensor, spec: TernarySpec, name: str = "weight") -> torch.Tensor:
@@ -65,38 +79,35 @@ def code_values(spec: TernarySpec) -> torch.Tensor:
     return torch.tensor([0 if v is None else v for v in spec.code_map], dtype=torch.int8)
 
 
-def check_codes(codes: torch.Tensor, packed: torch.Tensor, spec: TernarySpec, name: str) -> None:
+def check_bytes(packed: torch.Tensor, spec: TernarySpec, name: str) -> None:
     """Raise DecodeError naming the tensor and the number of bytes holding a code that must not occur."""
     illegal = [c for c, v in enumerate(spec.code_map) if v is None]
     if not illegal:
         return
-    bad = torch.zeros_like(codes, dtype=torch.bool)
-    for c in illegal:
-        bad |= codes == c
+    bad_value = torch.isin(byte_fields(spec), torch.tensor(illegal, dtype=torch.uint8)).any(-1)
+    bad = bad_value.to(packed.device)[packed.long()]  # per byte, in the packed tensor's own layout
     if not bool(bad.any()):
         return
-    # Map elements back to bytes: group the 4 elements sharing one byte.
-    rows = bad if spec.pack_axis == "input" else bad.t()
-    other, length = rows.shape
-    p = length // 4
-    per_byte = rows.reshape(other, p, 4) if spec.pack_layout == "interleaved" \
-        else rows.reshape(other, 4, p).transpose(1, 2)
-    bad_bytes = per_byte.any(dim=-1)
-    n_bytes = int(bad_bytes.sum())
-    first = tuple(int(i) for i in bad_bytes.nonzero()[0])
-    first = first if spec.pack_axis == "input" else first[::-1]
+    first = tuple(int(i) for i in bad.nonzero()[0])
     raise DecodeError(
-        f"{name}: {n_bytes} of {packed.numel()} bytes hold code(s) {illegal}, which code_map "
+        f"{name}: {int(bad.sum())} of {packed.numel()} bytes hold code(s) {illegal}, which code_map "
         f"{list(spec.code_map)} marks as must-not-occur (first at packed index {first}, "
         f"byte value {int(packed[first])})"
     )
 
 
+def check_codes(codes: torch.Tensor, packed: torch.Tensor, spec: TernarySpec, name: str) -> None:
+    """As :func:`check_bytes` (the codes are implied by the bytes)."""
+    check_bytes(packed, spec, name)
+
+
 def unpack_values(packed: torch.Tensor, spec: TernarySpec, name: str = "weight") -> torch.Tensor:
     """Ternary values (int8 in {-1, 0, 1}) of shape ``(N, K)``; illegal codes raise DecodeError."""
-    codes = unpack_codes(packed, spec, name)
-    check_codes(codes, packed, spec, name)
-    return code_values(spec)[codes.long()]
+    _check_packed(packed, name)
+    lut = code_values(spec)[byte_fields(spec).long()].to(packed.device)  # (256, 4) values per byte value
+    values = _per_byte_to_logical(lut[_packed_to_axis_last(packed, spec).long()], spec)
+    check_bytes(packed, spec, name)
+    return values
 
 
 def values_to_codes(values: torch.Tensor, spec: TernarySpec, name: str = "weight") -> torch.Tensor:

@@ -140,7 +140,7 @@ def ternary_specs(draw) -> TernarySpec:
     )
 
 
-@settings(max_examples=_examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=_examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(truth=ternary_specs(), said=ternary_specs(), declared=st.sampled_from(["true", "absent", "scrambled"]),
        scale_dtype=st.sampled_from(list(DTYPES)), float_dtype=st.sampled_from(list(DTYPES.values())),
        seed=st.integers(0, 2**16), screen=st.sampled_from([1 << 20, 200]))
@@ -220,23 +220,32 @@ def test_without_against_shapes_and_codes_expose_a_wrong_config(tmp_path):
     assert report["code_table"]["never_occurring_codes"] == [0]
 
 
-def test_no_hypothesis_reproduces_mixed_signs(tmp_path, pairs):
+@pytest.mark.parametrize("flipped", ["all", "k_proj"])
+def test_no_hypothesis_reproduces_mixed_signs(tmp_path, pairs, flipped):
     q, _ = pairs["seed-article"]
     gen = torch.Generator().manual_seed(0)
 
     def flip(module, w):  # random signs: no code can carry a single sign
-        return w * (torch.randint(0, 2, w.shape, generator=gen) * 2 - 1)
+        if flipped == "all" or module.endswith(flipped):
+            return w * (torch.randint(0, 2, w.shape, generator=gen) * 2 - 1)
+        return w
 
     fp = float_twin(q, tmp_path / "fp", edit=flip)
     rc, report, _ = inspect_json(q, "--against", fp)
     assert rc == 1 and report["quantization_config"] is None
     assert report["hypotheses"]["survivors"] == []
-    assert len(report["hypotheses"]["rejected"]) == 4
-    assert all("mixed signs per code" in r["reason"] for r in report["hypotheses"]["rejected"])
+    rejected = report["hypotheses"]["rejected"]
+    assert len(rejected) == 4 and all("mixed signs per code" in r["reason"] for r in rejected)
     assert "no hypothesis reproduces" in report["failure"]
     assert report["verification"]["performed"] is False
+    if flipped == "all":
+        assert [r["fits"] for r in rejected] == [0, 0, 0, 0]
+    else:  # the right hypothesis fits every other matrix: the report points at the odd one
+        assert (rejected[0]["pack_layout"], rejected[0]["bit_order"], rejected[0]["fits"]) == ("interleaved", "lsb", 6)
+        assert rejected[0]["fails_in"] == ["model.layers.0.self_attn.k_proj"]
     rc, text, _ = run_cli(q, "--against", fp)
-    assert "!!! no quantization_config reproduces the float weights" in text
+    line = next(x for x in text.splitlines() if x.startswith("!!! no quantization_config reproduces"))
+    assert ("fits 6 of 7 sampled matrices but not model.layers.0.self_attn.k_proj" in line) == (flipped == "k_proj")
 
 
 def test_a_matrix_outside_the_sample_in_another_format_fails_verification(tmp_path):
@@ -350,6 +359,31 @@ def test_int8x_reports_levels_bits_and_block_size(tmp_path):
     assert "L1/L2/L3" in text and "bits/weight" in text
 
 
+def test_ignored_modules_against_the_declared_ignore(tmp_path):
+    spec = replace(PRESETS["seed-article"], ignore=("lm_head", "down_proj"))
+    q, fp = make_pair(tmp_path, "ternary", spec)
+    rc, report, _ = inspect_json(q, "--against", fp)
+    assert rc == 0 and report["quantization_config"] == spec.to_config()
+    down = next(m for m in report["matrices"] if m["module"].endswith("down_proj"))
+    assert down["kind"] == "float"
+    set_declared(q, PRESETS["seed-article"].to_config())
+    rc, report, _ = inspect_json(q, "--against", fp)
+    assert rc == 1
+    assert any(w.startswith("ignore: model.layers.0.mlp.down_proj is stored as float but not listed") for w in
+               report["warnings"])
+
+
+def test_tensor_stats_distinct_values_beyond_the_first_elements():
+    few = torch.zeros(10_000)
+    few[9_000:] = torch.arange(1000) % 16  # 16 distinct values, all after the first 4096 elements
+    assert format_inference.tensor_stats(few)["distinct"] == [float(v) for v in range(16)]
+    many = few.clone()
+    many[-1] = 99.0
+    assert format_inference.tensor_stats(many)["distinct"] is None
+    stats = format_inference.tensor_stats(torch.tensor([1.0, float("nan"), -2.0]))
+    assert (stats["min"], stats["max"], stats["nonfinite"]) == (-2.0, 1.0, 1)
+
+
 # -- bad input ----------------------------------------------------------------------------------
 
 
@@ -357,6 +391,13 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
     rc, out, err = run_cli(tmp_path / "nope")
     assert rc == 2 and out == ""
     assert err.startswith("parity inspect: error: ") and "not a checkpoint directory" in err
+
+
+def test_invalid_declared_config_is_a_clear_error(tmp_path):
+    q = make_fixture("seed-article", tmp_path / "q", dims=DIMS)
+    set_declared(q, {"quant_method": "ternary", "bit_order": "middle"})
+    rc, _, err = run_cli(q)
+    assert rc == 2 and "config.json: quantization_config: bit_order = 'middle' is not one of" in err
 
 
 def test_truncated_safetensors_is_a_clear_error(tmp_path, pairs):

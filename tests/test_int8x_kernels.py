@@ -72,7 +72,8 @@ def weights(draw, max_n: int = 6):
 def activations(draw, n_cols: int, dtype: torch.dtype, device: str, allow_3d: bool = True):
     """x of shape (M, K) or (B, T, K), contiguous or not; M in 1..16 (GEMV), sometimes more."""
     m = draw(st.one_of(st.integers(1, 16), st.just(17)))
-    layout = draw(st.sampled_from(["contiguous", "transposed", "strided"] + (["3d", "3d-permuted"] if allow_3d else [])))
+    layouts = ["contiguous", "transposed", "strided"] + (["3d", "3d-permuted"] if allow_3d else [])
+    layout = draw(st.sampled_from(layouts))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     if layout == "contiguous":
         x = torch.randn(m, n_cols, generator=g)
@@ -177,6 +178,22 @@ def test_triton_default_block_sizes_all_l3_and_min(n_rows, n_cols, bs):
     y = torch.full((5, n_rows), float("nan"), device=TRITON_DEVICE)
     kt.linear(x, *_streams(enc, TRITON_DEVICE), n_rows, n_cols, bs, out=y)
     assert_rel_close(y, _linear_ref(x, w64), LINEAR_BOUND[torch.float32], f"linear all-L3 {tuple(q.shape)} bs={bs}")
+
+
+@needs_triton
+def test_triton_wide_index_path(monkeypatch):
+    # Weights of >= ~430M elements take int64 bit positions; force that path on a small one.
+    monkeypatch.setattr(kt, "_wide", lambda n: True)
+    q = torch.randint(-128, 128, (3, 70), dtype=torch.int8, generator=torch.Generator().manual_seed(5))
+    q[:, ::2] //= 40
+    enc, _, w64 = _reference(q, 32)
+    out = torch.full(q.shape, float("nan"), device=TRITON_DEVICE)
+    kt.decode(*_streams(enc, TRITON_DEVICE), 3, 70, 32, out=out)
+    assert_rel_close(out, w64, DECODE_BOUND[torch.float32], "decode, int64 bit positions")
+    x = torch.randn(2, 70, device=TRITON_DEVICE)
+    y = torch.full((2, 3), float("nan"), device=TRITON_DEVICE)
+    kt.linear(x, *_streams(enc, TRITON_DEVICE), 3, 70, 32, out=y)
+    assert_rel_close(y, _linear_ref(x, w64), LINEAR_BOUND[torch.float32], "linear, int64 bit positions")
 
 
 def test_triton_launcher_rejects_bad_out_and_x():

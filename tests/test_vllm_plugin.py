@@ -69,27 +69,31 @@ def _topk_dict(logprobs: torch.Tensor, k: int, extra: int | None = None) -> tupl
 
 
 def reference_run(model_dir: Path, prompts: list[list[int]]) -> Run:
-    """The fp32 reference model, greedy, by full recomputation at every step (no cache to differ in)."""
+    """The fp32 reference model, greedy with its KV cache; its fp64 twin measures the fp32 noise floor."""
     model = build_reference_model(model_dir)
     ids = torch.tensor(prompts)
     prompt_lp, top_ranked, sample_lp = [], [], [[] for _ in prompts]
+    generated = []
     with torch.no_grad():
+        out = model(ids, use_cache=True)
+        logprobs = torch.log_softmax(out.logits.float(), dim=-1)
+        for p, prompt in enumerate(prompts):
+            rows = [_topk_dict(logprobs[p, i - 1], TOP_K, prompt[i]) for i in range(1, len(prompt))]
+            prompt_lp.append([r[0] for r in rows])
+            top_ranked.append([r[1] for r in rows])
+        last = logprobs[:, -1]
         for step in range(MAX_TOKENS):
-            logprobs = torch.log_softmax(model(ids).logits.float(), dim=-1)
-            if step == 0:
-                for p, prompt in enumerate(prompts):
-                    rows = [_topk_dict(logprobs[p, i - 1], TOP_K, prompt[i]) for i in range(1, len(prompt))]
-                    prompt_lp.append([r[0] for r in rows])
-                    top_ranked.append([r[1] for r in rows])
-            nxt = logprobs[:, -1].argmax(dim=-1)
+            nxt = last.argmax(dim=-1)
             for p in range(len(prompts)):
-                sample_lp[p].append(_topk_dict(logprobs[p, -1], TOP_K, int(nxt[p]))[0])
-            ids = torch.cat([ids, nxt[:, None]], dim=1)
-        set_precision(model, torch.float64)
-        lp64 = torch.log_softmax(model(ids[:, :len(prompts[0])]).logits, dim=-1)
+                sample_lp[p].append(_topk_dict(last[p], TOP_K, int(nxt[p]))[0])
+            generated.append(nxt)
+            if step + 1 < MAX_TOKENS:
+                out = model(nxt[:, None], past_key_values=out.past_key_values, use_cache=True)
+                last = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+        lp64 = torch.log_softmax(set_precision(model, torch.float64)(ids).logits, dim=-1)
     noise = max(abs(float(lp64[p, i, t]) - lp) for p in range(len(prompts))
                 for i, row in enumerate(prompt_lp[p]) for t, lp in row.items())
-    tokens = ids[:, len(prompts[0]):].tolist()
+    tokens = torch.stack(generated, dim=1).tolist()
     return Run(tokens, prompt_lp, sample_lp, top_ranked, noise)
 
 
@@ -317,7 +321,9 @@ def ternary_variants(count: int, seed: int) -> list[tuple[TernarySpec, str]]:
         "pack_axis": ["input", "output"],
         "pack_layout": ["interleaved", "blocked"],
         "bit_order": ["lsb", "msb"],
-        "code_map": rng.sample(CODE_MAPS, count),
+        # One map without a must-not-occur code, the rest with one.
+        "code_map": rng.sample([m for m in CODE_MAPS if None in m], count - 1)
+        + rng.sample([m for m in CODE_MAPS if None not in m], 1),
         "scale_granularity": ["tensor", "channel", "group"],
         "group_size": [32, 64, 128],
         "scale_mode": ["multiply", "divide"],
@@ -361,7 +367,8 @@ def test_variants_cover_every_axis_value():
         assert {getattr(s, axis) for s in specs} == values, axis
     assert {s.group_size for s in specs if s.scale_granularity == "group"}
     assert {d for _, d in VARIANTS} == {"float16", "bfloat16", "float32"}
-    assert len({s.code_map for s in specs}) == len(specs)
+    assert len({s.code_map for s in specs}) == len(specs) and any(None not in s.code_map for s in specs)
+    assert len({s.ignore for s in specs}) == 4 and len({s.weight_name for s in specs}) == 3
 
 
 @pytest.mark.vllm
@@ -386,6 +393,19 @@ def test_tensor_parallel_2_matches_tp1(runs, checkpoints, prompts, name):
     for p, (x, y) in enumerate(zip(tp1.tokens, tp2.tokens)):
         assert x == y, f"{name}: prompt {p}: TP=2 generated {y}, TP=1 {x}"
     check_logprobs_close(tp1, tp2, tolerance(runs("ref", name)), "tp1", "tp2")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_int8x_tensor_parallel_fails_with_the_reason(checkpoints, capfd):
+    from kernels.vllm_engine import close_llm, make_llm
+
+    with pytest.raises(Exception):
+        close_llm(make_llm(checkpoints("int8x"), tensor_parallel_size=2, max_model_len=128))
+    # The workers raise; vLLM's front end reports only that a worker failed, the reason is in their log.
+    captured = capfd.readouterr()
+    assert "int8x: model.layers.0.self_attn.qkv_proj with tensor_parallel_size=2 is not supported" in \
+        captured.out + captured.err
 
 
 MP_SCRIPT = textwrap.dedent("""
@@ -417,6 +437,39 @@ def test_mp_engine_loads_plugin_by_entry_point_alone(runs, checkpoints, prompts)
     result = json.loads(lines[-1].removeprefix("RESULT "))
     assert result["client"] == "SyncMPClient"  # the engine core ran in its own process
     assert result["tokens"] == runs("ref", "hf-bitnet").tokens
+
+
+INTERPRETER_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from kernels.vllm_engine import generate, make_llm
+    llm = make_llm(sys.argv[1], max_model_len=64)
+    backends = llm.apply_model(lambda model: sorted({m.parity_backend for m in model.modules()
+                                                     if hasattr(m, "parity_backend")}))
+    outs = generate(llm, json.loads(sys.argv[2]), int(sys.argv[3]))
+    print("RESULT " + json.dumps({"backends": backends, "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+""")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_triton_interpreter_backend_is_selected_by_env(tmp_path):
+    """PARITY_KERNEL_BACKEND=triton with TRITON_INTERPRET=1 runs the Triton kernels inside vLLM on the CPU."""
+    tiny = Dims(hidden=64, layers=1, heads=2, kv_heads=1, intermediate=128, vocab=1024)
+    path = make_fixture("hf-bitnet", tmp_path / "tiny", dims=tiny)
+    prompt = load_prompts()[0][:12]
+    env = dict(os.environ, TRITON_INTERPRET="1", PARITY_KERNEL_BACKEND="triton")
+    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT, str(path), json.dumps([prompt]), "4"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"engine failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert result["backends"] == [["triton"]]
+    model = build_reference_model(path)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(4):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert result["tokens"] == [ids[0, len(prompt):].tolist()]
 
 
 # -- strict loading ----------------------------------------------------------------------------
@@ -487,6 +540,8 @@ def test_broken_checkpoint_fails_at_load_naming_the_tensor(checkpoints, tmp_path
 # -- the generic ``kernels`` import name -------------------------------------------------------
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_transformers_does_not_mistake_kernels_for_hf_kernels_and_vllm_imports():
     """Our top-level package is named ``kernels``, like Hugging Face's; transformers must not use it."""
     code = textwrap.dedent("""

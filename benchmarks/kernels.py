@@ -1,0 +1,318 @@
+"""Ternary (and INT8-X) kernel benchmarks on a GPU -> benchmarks/results/kernels_h200.json.
+
+Every time is per call inside a CUDA graph of back-to-back calls (median over replays), with the
+weights rotated among copies that together exceed the L2 four times over; only the copy bandwidth
+and the standalone INT8-X decode use ``triton.testing.do_bench`` (median, L2 flushed per call).
+Each row carries its baseline, torch fp16 ``F.linear`` on the same (K, N, M), measured in the same
+run, and the fraction of the device-to-device copy bandwidth measured at the start of the run.
+
+    PYTHONPATH=. python3 benchmarks/kernels.py [--out PATH] [--quick] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+# This file is named kernels.py: run as a script, its folder would shadow the `kernels` package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from references.formats import PRESETS, TernarySpec  # noqa: E402
+from references.ternary import pack_values  # noqa: E402
+from kernels import ternary_ops, ternary_triton  # noqa: E402
+from kernels.ternary_repack import repack  # noqa: E402
+
+SHAPES = [(2048, 2048), (2048, 5632), (5632, 2048), (4096, 4096), (4096, 14336), (14336, 4096)]  # (K, N)
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+ROTATE_BYTES = 256 << 20  # weights rotated over at least this much memory (the H200's L2 is 60 MB)
+
+
+def median_us(fn, rep_ms: int = 100) -> float:
+    return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
+
+
+def graph_us(fn, calls: int, reps: int = 15) -> float:
+    """Median time of one call inside a CUDA graph of ``calls`` back-to-back calls.
+
+    Graphs remove the host's launch cost (tens of microseconds through Python, more than the
+    kernels themselves at small M), as vLLM's decode does; ``fn`` rotates the weight copies, so
+    one replay streams every copy once.
+    """
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 2 GiB, bytes read plus written per second (GB/s)."""
+    src = torch.empty(1 << 30, dtype=torch.float16, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    us = median_us(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / us / 1e3
+
+
+def rotating(make, nbytes: int, cap: int = 64):
+    copies = [make() for _ in range(max(8, min(cap, math.ceil(ROTATE_BYTES / max(nbytes, 1)))))]
+    state = itertools.cycle(copies)
+    return copies, lambda: next(state)
+
+
+def ternary_weights(k: int, n: int, spec: TernarySpec, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randint(-1, 2, (n, k), generator=gen)
+    scale = torch.rand(spec.scale_shape(n, k), generator=gen) + 0.5
+    return repack(pack_values(values, spec).cuda(), scale.to(torch.float16).cuda(), spec, n, k)
+
+
+def bench_shape(k: int, n: int, ms: list[int], kernels: list[str], copy_gbps: float, spec_name: str,
+                dtype=torch.float16) -> list[dict]:
+    spec = PRESETS[spec_name]
+    rows = []
+    base = ternary_weights(k, n, spec, seed=k * 7 + n)
+    nat_bytes = base.nbytes
+    natives, next_native = rotating(lambda: repack_copy(base), nat_bytes)
+    wf = torch.randn(n, k, device="cuda", dtype=dtype) * 0.02
+    fp16_weights, next_fp16 = rotating(lambda: wf.clone(), wf.numel() * wf.element_size(), cap=32)
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        io_bytes = (m * k + m * n) * x.element_size()
+        base_us = graph_us(lambda: F.linear(x, next_fp16()), len(fp16_weights))
+        for kernel in kernels:
+            if kernel == "cuda_naive" and m > 2:
+                continue
+            if kernel in ("triton_gemv", "cuda_vec") and m > 16:
+                continue
+            fn = _kernel_fn(kernel, x, next_native)
+            try:
+                fn()
+                torch.cuda.synchronize()
+                us = graph_us(fn, len(natives), reps=5 if kernel == "cuda_naive" else 15)
+            except Exception as exc:  # one kernel failing must not lose the others' numbers
+                rows.append(dict(kernel=kernel, K=k, N=n, M=m, dtype=str(dtype), preset=spec_name,
+                                 error=f"{type(exc).__name__}: {exc}"[:500]))
+                print(f"  {kernel} K={k} N={n} M={m}: FAILED {exc}", file=sys.stderr)
+                continue
+            gbps = (nat_bytes + io_bytes) / us / 1e3
+            rows.append(dict(kernel=kernel, K=k, N=n, M=m, dtype=str(dtype).replace("torch.", ""),
+                             preset=spec_name, median_us=round(us, 3), gbps=round(gbps, 1),
+                             bw_frac=round(gbps / copy_gbps, 4), baseline="torch_fp16_linear",
+                             baseline_us=round(base_us, 3), speedup=round(base_us / us, 3),
+                             chosen=ternary_ops.select_kernel("triton", m)))
+            r = rows[-1]
+            print(f"  {kernel:12s} K={k:5d} N={n:5d} M={m:3d} {us:9.2f} us {gbps:7.0f} GB/s "
+                  f"({r['bw_frac']:.2f} of copy)  fp16 {base_us:9.2f} us  x{r['speedup']:.2f}", flush=True)
+    del natives, fp16_weights
+    return rows
+
+
+def repack_copy(native):
+    return type(native)(qweight=native.qweight.clone(), scale=native.scale.clone(), n=native.n, k=native.k,
+                        group_size=native.group_size, act_quant=native.act_quant)
+
+
+def _kernel_fn(kernel: str, x: torch.Tensor, next_native):
+    if kernel == "ternary":  # the public entry point with its default choice of kernel
+        return lambda: ternary_ops.ternary_linear(x, next_native())
+
+    def run():
+        nat = next_native()
+        return ternary_ops.ternary_linear_op(x, nat.qweight, nat.scale, None, nat.k, nat.group_size,
+                                             nat.act_quant, kernel)
+    return run
+
+
+def sweep(copy_gbps: float) -> list[dict]:
+    """Block-size candidates for the Triton kernels at the target shapes, graph-timed (prints the best)."""
+    out = []
+    mm_small = [dict(BM=16, BN=bn, BKW=bkw, GROUP_M=1, SWAP_AB=False, num_warps=w, num_stages=s)
+                for bn, bkw, w, s in [(256, 4, 4, 3), (128, 8, 4, 4), (64, 8, 4, 4), (128, 16, 4, 3),
+                                      (256, 8, 8, 3), (64, 16, 4, 3), (128, 4, 4, 5), (32, 16, 4, 4)]]
+    mm_large = [dict(BM=bm, BN=bn, BKW=bkw, GROUP_M=8, SWAP_AB=sw, num_warps=w, num_stages=s)
+                for bm, bn, bkw, sw, w, s in [(128, 128, 4, False, 4, 4), (128, 128, 8, False, 4, 3),
+                                              (128, 256, 4, False, 8, 3), (128, 256, 8, False, 8, 3),
+                                              (128, 128, 4, True, 4, 4), (256, 128, 4, True, 8, 3),
+                                              (64, 256, 4, True, 4, 4), (128, 128, 8, True, 8, 3)]]
+    gemv = [dict(BN=bn, BKW=bkw, num_warps=w, num_stages=s)
+            for bn, bkw, w, s in [(16, 16, 4, 3), (16, 64, 4, 1), (32, 32, 4, 2), (32, 16, 4, 3),
+                                  (64, 16, 8, 2), (16, 32, 4, 2), (8, 64, 4, 2)]]
+    for (k, n) in [(4096, 14336), (14336, 4096)]:
+        base = ternary_weights(k, n, PRESETS["seed-article"], seed=1)
+        natives, next_native = rotating(lambda: repack_copy(base), base.nbytes)
+        for m, kernel, cands in [(1, "gemv", gemv), (1, "mm", mm_small), (16, "mm", mm_small),
+                                 (512, "mm", mm_large)]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            splits = [None, 1, 2, 4, 8, 16] if kernel == "mm" and m <= 16 else [None]
+            best = None
+            for cfg, split in itertools.product(cands, splits):
+                cfg = dict(cfg)
+                if split is not None:
+                    cfg["SPLIT_K"] = split
+
+                def fn(cfg=cfg):
+                    nat = next_native()
+                    return ternary_triton.ternary_linear(x, nat.qweight, nat.scale, None, nat.k, nat.group_size,
+                                                         nat.act_quant, kernel, config=cfg)
+                try:
+                    us = graph_us(fn, len(natives), reps=7)
+                except Exception as exc:
+                    print(f"  sweep {kernel} K={k} N={n} M={m} {cfg}: FAILED {type(exc).__name__}: "
+                          f"{str(exc)[:200]}", file=sys.stderr)
+                    continue
+                row = dict(kernel=kernel, K=k, N=n, M=m, config=cfg, median_us=round(us, 3))
+                out.append(row)
+                if best is None or us < best["median_us"]:
+                    best = row
+            print(f"  best {kernel} K={k} N={n} M={m}: {best}", flush=True)
+        del natives
+    return out
+
+
+def int8x_rows(copy_gbps: float) -> list[dict]:
+    """INT8-X standalone decode and fused decode-GEMV (M=1, K=4096, N=14336) against torch bf16 F.linear."""
+    from references.int8x import encode
+    from kernels import int8x_ops
+
+    k, n = 4096, 14336
+    q = (torch.randn(n, k, generator=torch.Generator().manual_seed(3)) * 2.5).round().clamp(-127, 127)
+    tensors = {key: v.cuda() for key, v in encode(q.to(torch.int8), 0.01).items()}
+    stream_bytes = sum(tensors[s].numel() * tensors[s].element_size()
+                       for s in ("weight_b1", "weight_b2", "weight_l1", "weight_l2", "weight_l3",
+                                 "weight_b1_blk", "weight_b2_blk"))
+    rows = []
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    wb = (q * 0.01).to(torch.bfloat16).cuda()
+    copies, next_wb = rotating(lambda: wb.clone(), wb.numel() * 2, cap=4)
+    base_us = graph_us(lambda: F.linear(x, next_wb()), len(copies))
+    dec_us = median_us(lambda: int8x_ops.decode(tensors, (n, k), dtype=torch.bfloat16, backend="triton"))
+    dec_bytes = stream_bytes + n * k * 2
+    rows.append(dict(kernel="int8x_decode", K=k, N=n, M=0, dtype="bfloat16", median_us=round(dec_us, 3),
+                     gbps=round(dec_bytes / dec_us / 1e3, 1), bw_frac=round(dec_bytes / dec_us / 1e3 / copy_gbps, 4),
+                     baseline="torch_bf16_linear", baseline_us=round(base_us, 3),
+                     speedup=round(base_us / dec_us, 3), bytes="streams read + bf16 weight written"))
+    try:
+        lin_us = graph_us(lambda: int8x_ops.linear(x, tensors, (n, k), backend="triton"), 8)
+    except Exception as exc:  # not capturable: events around single calls instead
+        print(f"  int8x_linear in a CUDA graph failed ({exc}); timing plain calls", file=sys.stderr)
+        lin_us = median_us(lambda: int8x_ops.linear(x, tensors, (n, k), backend="triton"))
+    lin_bytes = stream_bytes + (k + n) * 2
+    rows.append(dict(kernel="int8x_linear", K=k, N=n, M=1, dtype="bfloat16", median_us=round(lin_us, 3),
+                     gbps=round(lin_bytes / lin_us / 1e3, 1), bw_frac=round(lin_bytes / lin_us / 1e3 / copy_gbps, 4),
+                     baseline="torch_bf16_linear", baseline_us=round(base_us, 3),
+                     speedup=round(base_us / lin_us, 3)))
+    for r in rows:
+        print(f"  {r['kernel']:14s} {r['median_us']:9.2f} us {r['gbps']:7.0f} GB/s  bf16 linear "
+              f"{base_us:8.2f} us  x{r['speedup']:.2f}", flush=True)
+    del copies
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "kernels_h200.json"))
+    ap.add_argument("--quick", action="store_true", help="target shapes and M in {1, 16, 512} only")
+    ap.add_argument("--sweep", action="store_true", help="also sweep Triton block sizes at the target shapes")
+    ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA extension kernels")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    t0 = time.time()
+    copy_gbps = copy_bandwidth()
+    props = torch.cuda.get_device_properties(0)
+    header = dict(device=torch.cuda.get_device_name(0), sms=props.multi_processor_count,
+                  copy_gbps=round(copy_gbps, 1), torch=torch.__version__, triton=triton.__version__,
+                  cuda=torch.version.cuda, python=platform.python_version(),
+                  method="per-call time inside CUDA graphs, median of replays; weights rotated over >= 256 MiB",
+                  started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    print(f"{header['device']}: copy bandwidth {copy_gbps:.0f} GB/s (read + write)", flush=True)
+    kernels = ["ternary", "triton_mm", "triton_gemv"]
+    if not args.no_cuda:
+        from kernels import ternary_cuda
+
+        if ternary_cuda.available():
+            t = time.time()
+            ternary_cuda.extension()
+            print(f"CUDA extension ready in {time.time() - t:.0f} s", flush=True)
+            kernels += ["cuda_vec", "cuda_naive"]
+    shapes = [(4096, 14336), (14336, 4096)] if args.quick else SHAPES
+    ms = [1, 16, 512] if args.quick else MS
+    result = dict(header=header, rows=[], sweep=[], int8x=[])
+    if args.sweep:
+        result["sweep"] = sweep(copy_gbps)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    for k, n in shapes:
+        result["rows"] += bench_shape(k, n, ms, kernels, copy_gbps, "seed-article")
+        out_path.write_text(json.dumps(result, indent=1))  # partial results survive a time limit
+    # The BitNet layout (activation quantization, divide, tensor scale) at the two target shapes.
+    for k, n in [(4096, 14336), (14336, 4096)]:
+        result["rows"] += bench_shape(k, n, [1, 16, 512], ["ternary"], copy_gbps, "hf-bitnet")
+    if Path("kernels/int8x_ops.py").exists() and Path("kernels/int8x_triton.py").exists():
+        try:
+            result["int8x"] = int8x_rows(copy_gbps)
+        except Exception as exc:
+            result["int8x"] = [dict(error=f"{type(exc).__name__}: {exc}"[:500])]
+            print(f"int8x: FAILED {exc}", file=sys.stderr)
+    header["seconds"] = round(time.time() - t0, 1)
+    out_path.write_text(json.dumps(result, indent=1))
+    print(summary(result))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def summary(result: dict) -> str:
+    """The targets, each a ratio from this run."""
+    rows = {(r["kernel"], r["K"], r["N"], r["M"], r.get("preset")): r for r in result["rows"] if "error" not in r}
+    lines = ["target                                   kernel        us     fp16 us   speedup  bw_frac"]
+    for (k, n) in [(4096, 14336), (14336, 4096)]:
+        for m in (1, 16, 512):
+            r = rows.get(("ternary", k, n, m, "seed-article"))
+            if r:
+                lines.append(f"K={k:5d} N={n:5d} M={m:3d}                   ternary {r['median_us']:9.2f} "
+                             f"{r['baseline_us']:9.2f} {r['speedup']:8.2f} {r['bw_frac']:8.2f}")
+        r1, r16 = rows.get(("ternary", k, n, 1, "seed-article")), rows.get(("ternary", k, n, 16, "seed-article"))
+        if r1 and r16:
+            lines.append(f"K={k:5d} N={n:5d} M=16 / M=1 time ratio: {r16['median_us'] / r1['median_us']:.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""``torch.library`` custom op ``vllm_parity::ternary_linear`` and its public entry point.
+
+The op takes the kernel by name and does nothing that depends on tensor values or needs a host
+sync, so it can be captured in CUDA graphs and traced by torch.compile (a fake implementation
+gives its output shape). Which kernel runs for a given M is decided here, in Python, before the
+op is called.
+
+Backends (argument ``backend`` or env ``PARITY_KERNEL_BACKEND``): ``torch`` (pure torch, any
+device), ``triton`` (GPU, or the CPU through ``TRITON_INTERPRET=1``), ``cuda`` (``csrc/ternary.cu``).
+Default: ``torch`` on the CPU, ``triton`` on CUDA (the fastest measured on an H200,
+benchmarks/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.ternary_repack import NativeTernary, native_weight, repack, unpack_native  # noqa: F401
+
+BACKENDS = ("torch", "triton", "cuda")
+KERNELS = ("torch", "triton_gemv", "triton_mm", "cuda_naive", "cuda_vec")
+
+# Largest M for which each backend runs its GEMV-shaped kernel (measured, benchmarks/NOTES.md).
+TRITON_GEMV_MAX_M = 1
+CUDA_VEC_MAX_M = 1 << 30  # the CUDA backend has no tensor-core kernel
+
+
+def _torch_impl(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                k: int, group_size: int, act_quant: bool) -> torch.Tensor:
+    native = NativeTernary(qweight=qweight, scale=scale, n=qweight.shape[0], k=k,
+                           group_size=group_size, act_quant=act_quant)
+    w = native_weight(native, torch.float32)
+    xf = x.to(torch.float32)
+    if act_quant:
+        # FORMATS.md per_token_absmax_int8, in fp32.
+        sx = 127.0 / xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
+        xq = (xf * sx).round().clamp(-128, 127)
+        y = (xq @ w.t()) / sx
+    else:
+        y = xf @ w.t()
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)
+
+
+@torch.library.custom_op("vllm_parity::ternary_linear", mutates_args=())
+def ternary_linear_op(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                      k: int, group_size: int, act_quant: bool, kernel: str) -> torch.Tensor:
+    """``y = x @ W^T (+ bias)`` for a 2-D ``x`` (M, K) and a native ternary weight (see ternary_repack)."""
+    if kernel == "torch":
+        return _torch_impl(x, qweight, scale, bias, k, group_size, act_quant)
+    if kernel in ("triton_gemv", "triton_mm"):
+        from kernels import ternary_triton
+
+        return ternary_triton.ternary_linear(x, qweight, scale, bias, k, group_size, act_quant, kernel[7:])
+    if kernel in ("cuda_naive", "cuda_vec"):
+        from kernels import ternary_cuda
+
+        return ternary_cuda.ternary_linear(x, qweight, scale, bias, k, group_size, act_quant, kernel[5:])
+    raise ValueError(f"unknown ternary kernel {kernel!r}; expected one of {KERNELS}")
+
+
+@torch.library.register_fake("vllm_parity::ternary_linear")
+def _ternary_linear_fake(x, qweight, scale, bias, k, group_size, act_quant, kernel):
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+def default_backend(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    backend = backend or os.environ.get("PARITY_KERNEL_BACKEND") or default_backend(device)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown ternary backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "cuda" and device.type != "cuda":
+        raise ValueError(f"ternary backend 'cuda' needs CUDA tensors, got {device}")
+    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise ValueError("ternary backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 "
+                         "(set before triton is imported)")
+    return backend
+
+
+def select_kernel(backend: str, m: int) -> str:
+    """The kernel a backend runs for ``m`` rows (a Python decision on the shape only)."""
+    if backend == "torch":
+        return "torch"
+    if backend == "triton":
+        return "triton_gemv" if m <= TRITON_GEMV_MAX_M else "triton_mm"
+    return "cuda_vec" if m <= CUDA_VEC_MAX_M else "cuda_naive"
+
+
+def ternary_linear(x: torch.Tensor, native: NativeTernary, bias: torch.Tensor | None = None,
+                   backend: str | None = None) -> torch.Tensor:
+    """``y = x @ W^T (+ bias)`` for ``x`` of shape ``(..., K)``; returns ``(..., N)`` in x's dtype."""
+    if x.shape[-1] != native.k:
+        raise ValueError(f"x has {x.shape[-1]} input features, the ternary weight expects {native.k}")
+    x2 = x.reshape(-1, native.k)
+    kernel = select_kernel(resolve_backend(backend, x.device), x2.shape[0])
+    y = torch.ops.vllm_parity.ternary_linear(x2, native.qweight, native.scale, bias, native.k,
+                                             native.group_size, native.act_quant, kernel)
+    return y.reshape(*x.shape[:-1], native.n)

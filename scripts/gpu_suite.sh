@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# On a GPU machine: the kernel op suite (gpu-marked and CPU tests of the kernel test files), then the
+# kernel benchmarks. Logs and JSON go to $OUT when set (else benchmarks/results). Installs nothing.
+#   bash scripts/gpu_suite.sh [--quick] [--sweep]     (extra arguments go to benchmarks/kernels.py)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-benchmarks/results}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export TRITON_DEFAULT_FP_FUSION=1
+py="${PYTHON:-python3}"
+
+"$py" - <<'EOF' 2>&1 | tee "$out/env.log"
+import torch, triton
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
+print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
+EOF
+
+tests=()
+for f in tests/test_ternary_kernels.py tests/test_int8x_kernels.py; do
+    [ -f "$f" ] && tests+=("$f")
+done
+"$py" -m pytest -p no:cacheprovider -m "gpu or not vllm" -q -rs --durations=15 \
+    --junitxml="$out/kernel_tests.xml" "${tests[@]}" 2>&1 | tee "$out/kernel_tests.log"
+test_rc=${PIPESTATUS[0]}
+
+"$py" benchmarks/kernels.py --out "$out/kernels_h200.json" "$@" 2>&1 | tee "$out/bench.log"
+bench_rc=${PIPESTATUS[0]}
+
+echo "kernel tests exit $test_rc, benchmarks exit $bench_rc"
+[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -1,0 +1,153 @@
+"""The harness end to end on the CPU: the real vLLM engine against the fp32 reference."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from fixtures.checkpoints import Dims, make_fixture
+
+pytest.importorskip("vllm", reason="the harness's default candidate is the vLLM engine")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytest_plugins = ["pytester"]
+
+SMALL = Dims(hidden=128, layers=3, heads=2, kv_heads=1, intermediate=256, vocab=1024)
+
+
+def _run(pytester, *args):
+    # option=value: pytest picks its rootdir before plugin options are known, and would take a
+    # separate value for a path to collect
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs", f"--parity-report={pytester.path / 'report'}",
+                                         f"--parity-snapshot-dir={pytester.path / 'snap'}", *args, timeout=600)
+
+
+def _report(pytester):
+    return json.loads((pytester.path / "report" / "report.json").read_text())
+
+
+def test_embedded_default_passes_every_level(pytester):
+    result = _run(pytester, "--parity-level=model")
+    # embed, 4 layers x 11 op taps, 4 layer outputs, final_norm + logits, greedy + top-k + logprobs
+    result.assert_outcomes(passed=1 + 44 + 4 + 2 + 3)
+    rep = _report(pytester)
+    assert rep["schema"] == "parity-report/1" and rep["passed"] is True and rep["first_divergence"] is None
+    assert rep["run"]["format"] == "ternary" and rep["run"]["level"] == "model"
+    assert {t["name"] for t in rep["taps"]} >= {"embed", "layers.3.output", "layers.0.attn.q", "logits"}
+    assert all(t["metrics"]["cosine"] > 0.999999 for t in rep["taps"])
+    extras = rep["run"]["extras"]
+    assert extras["greedy"]["passed"] and extras["topk"]["agree"] == 4 * 64
+    assert extras["logprobs"]["passed"] and extras["logprobs"]["positions"] == 4 * 63
+    for name in ("report.html", "summary.md"):
+        assert (pytester.path / "report" / name).stat().st_size > 1000
+    result.stdout.fnmatch_lines(["*no divergence over 51 taps*"])
+    assert not (pytester.path / "snap").exists()
+
+
+def test_fp_control_stock_vllm_against_stock_transformers(pytester, tmp_path):
+    """No custom code on either side: proof the map, token alignment and residual handling are right."""
+    model = make_fixture("fp", tmp_path / "fp", dims=SMALL)
+    result = _run(pytester, "--parity-level=model", f"--parity-model={model}",
+                  f"--parity-dump-dir={tmp_path / 'dumps'}")
+    result.assert_outcomes(passed=1 + 3 * 11 + 3 + 2 + 3)
+    rep = _report(pytester)
+    assert rep["run"]["format"] == "fp" and rep["passed"]
+    ref = json.loads((tmp_path / "dumps" / "reference" / "manifest.json").read_text())
+    cand = json.loads((tmp_path / "dumps" / "candidate" / "manifest.json").read_text())
+    assert ref["taps"]["layers.2.output"]["3"]["shape"] == cand["taps"]["layers.2.output"]["3"]["shape"] == [64, 128]
+    assert ref["prompts_sha256"] == cand["prompts_sha256"] and ref["model_sha256"] == cand["model_sha256"]
+
+
+def test_tap_glob_focuses_on_one_layer(pytester):
+    result = _run(pytester, "--parity-level=block", "--parity-taps=layers.2.*", "-v")
+    result.assert_outcomes(passed=12)
+    result.stdout.fnmatch_lines(["*parity::test_parity?block-layers.2.output? PASSED*"])
+
+
+def test_tensor_parallel_dumps_equal_single_rank(tmp_path):
+    from fixtures.prompts import load_prompts
+    from kernels.vllm_engine import close_llm, make_llm
+    from parity import vllm_side
+
+    model = make_fixture("seed-article", tmp_path / "m", dims=SMALL)
+    prompts = load_prompts()[:2]
+    dumps = {}
+    for tp in (1, 2):
+        llm = make_llm(model, tensor_parallel_size=tp)
+        try:
+            dumps[tp] = vllm_side.capture(llm, prompts, tmp_path / f"tp{tp}")
+        finally:
+            close_llm(llm)
+    one, two = dumps[1], dumps[2]
+    assert two.manifest["tensor_parallel_size"] == 2 and one.taps() == two.taps()
+    for tap in one.taps():
+        for p in one.prompts(tap):
+            a, b = one.get(tap, p), two.get(tap, p)
+            assert a.shape == b.shape, tap
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=lambda m: f"{tap}@{p}: {m}")
+    shutil.rmtree(tmp_path / "m")
+
+
+FAULTY_PLUGIN = '''
+"""A test-only variant of the vLLM plugin: one projection's method carries a planted fault."""
+import dataclasses, os
+
+import torch
+
+
+def pytest_configure(config):
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from kernels import vllm_plugin
+    from kernels.vllm_config import TernaryConfig
+    from kernels.vllm_methods import TernaryLinearMethod
+
+    kind, target = os.environ["PARITY_TEST_FAULT"].split(":")
+    vllm_plugin.register()  # the real registration first; the engine's own call is then a no-op
+
+    class ScaleMissing(TernaryLinearMethod):
+        def process_weights_after_loading(self, layer):
+            super().process_weights_after_loading(layer)
+            layer.parity_scale.fill_(1.0)  # the kernel-layout scale: as if the kernel never applied it
+
+    class FaultyTernaryConfig(TernaryConfig):
+        def make_method(self, modules):
+            if modules == [target] and kind == "bit_order":
+                flipped = "msb" if self.spec.bit_order == "lsb" else "lsb"
+                return TernaryLinearMethod(dataclasses.replace(self.spec, bit_order=flipped), modules)
+            if modules == [target] and kind == "scale_missing":
+                return ScaleMissing(self.spec, modules)
+            return super().make_method(modules)
+
+    register_quantization_config("ternary")(FaultyTernaryConfig)
+'''
+
+
+@pytest.mark.parametrize("fault, module, tap", [
+    ("bit_order", "model.layers.2.mlp.down_proj", "layers.2.mlp.down"),
+    ("scale_missing", "model.layers.1.self_attn.o_proj", "layers.1.attn.o"),
+])
+def test_planted_fault_fails_at_exactly_its_tap(pytester, monkeypatch, fault, module, tap):
+    pytester.makeconftest(FAULTY_PLUGIN)
+    monkeypatch.setenv("PARITY_TEST_FAULT", f"{fault}:{module}")
+    result = _run(pytester, "--parity-level=model", "-v")
+    failing = f"parity::test_parity[op-{tap}]"
+    pattern = failing.replace("[", "?").replace("]", "?")  # fnmatch reads brackets as a character set
+    rep = _report(pytester)
+    taps = [t["name"] for t in rep["taps"]]
+    by = {t["name"]: t for t in rep["taps"]}
+    assert all(by[t]["passed"] for t in taps[: taps.index(tap)]), "taps before the fault must pass"
+    assert not by[tap]["passed"] and by[tap]["role"] == "source"
+    assert rep["first_divergence"] == {"name": tap, "layer": int(tap.split(".")[1])}
+    result.stdout.fnmatch_lines([f"*{pattern} FAILED*"])
+    # the funnel: block and model items are skipped, naming the first failure below them
+    result.stdout.fnmatch_lines([f"SKIPPED * funnel: level 'op' failed first at {pattern}; no block-level*",
+                                 f"SKIPPED * funnel: level 'op' failed first at {pattern}; no model-level*"])
+    outcomes = result.parseoutcomes()
+    op_before = [t for t in taps[: taps.index(tap)] if by[t]["level"] == "op"]
+    assert outcomes["skipped"] == 4 + 2 + 3 and outcomes.get("passed", 0) == len(op_before)
+    snaps = list((pytester.path / "snap").iterdir())
+    assert len(snaps) == 1
+    meta = json.loads((snaps[0] / "meta.json").read_text())
+    assert "--parity-level=model" in meta["command"]
+    assert tap in json.loads((snaps[0] / "diff.json").read_text())

@@ -1,0 +1,478 @@
+"""Property tests of every ternary kernel against the fp64 reference (shared FORMATS.md section 1).
+
+Reference: ``references.ternary.decode`` in float64, then ``x.double() @ W.T`` (+ bias), with the
+per-token activation quantization emulated in float64. Every FORMATS.md variant goes through
+``kernels.ternary_repack.repack`` first. On the CPU the Triton kernels run in the interpreter
+(TRITON_INTERPRET=1, set below before triton is imported) beside the pure-torch op; the Triton and
+CUDA kernels on a GPU are marked ``gpu``.
+
+Error bound per output, from the arithmetic itself rather than a guess:
+``||out - ref|| <= u_out * ||ref|| + eps_acc * || |x| @ |W|^T || + quantization ties`` where
+``u_out`` is the unit roundoff of the output dtype, ``eps_acc`` covers fp32 accumulation over K
+(and tf32x3 on tensor cores), and an activation whose scaled value lies within fp32 rounding of a
+.5 tie may quantize either way (its whole weight column is allowed to move by one step).
+"""
+
+from __future__ import annotations
+
+import os
+
+if not os.environ.get("TRITON_INTERPRET"):
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from references.errors import DecodeError, FormatError
+from references.formats import PRESETS, TernarySpec
+from references.ternary import decode, pack_codes, unpack_values
+
+from kernels import ternary_cuda, ternary_ops, ternary_triton
+from kernels.ternary_repack import NativeTernary, native_weight, repack
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+
+# --------------------------------------------------------------------------------------------
+# drawing cases
+
+
+@st.composite
+def specs(draw) -> TernarySpec:
+    values = [-1, 0, 1, draw(st.sampled_from([None, -1, 0, 1]))]  # a 4th code: null or a duplicate
+    code_map = tuple(draw(st.permutations(values)))
+    return TernarySpec(
+        pack_axis=draw(st.sampled_from(["input", "output"])),
+        pack_layout=draw(st.sampled_from(["interleaved", "blocked"])),
+        bit_order=draw(st.sampled_from(["lsb", "msb"])),
+        code_map=code_map,
+        scale_granularity=draw(st.sampled_from(["tensor", "channel", "group"])),
+        group_size=128,  # replaced below once K is known
+        scale_mode=draw(st.sampled_from(["multiply", "divide"])),
+        activation_quant=draw(st.sampled_from([None, None, "per_token_absmax_int8"])),
+    )
+
+
+def _dims(draw, spec: TernarySpec, max_n: int, max_k: int) -> tuple[int, int]:
+    # K across boundaries: 4, 12, 4 * odd, just past a word (16) or a tile (64, 128), multiples of 128.
+    k = draw(st.one_of(st.sampled_from([4, 12, 20, 28, 44, 60, 68, 124, 132, 196]),
+                       st.integers(1, max_k // 4).map(lambda v: 4 * v),
+                       st.sampled_from([128, 256])))
+    k = min(k, max_k)
+    if spec.pack_axis == "output":
+        k = draw(st.sampled_from([k, max(1, k - draw(st.integers(0, 3)))]))  # K need not be a multiple of 4
+        n = 4 * draw(st.integers(1, max_n // 4))
+    else:
+        n = draw(st.integers(1, max_n))
+    return n, k
+
+
+@st.composite
+def cases(draw, max_m: int, max_n: int, max_k: int, dtypes=DTYPES):
+    spec = draw(specs())
+    n, k = _dims(draw, spec, max_n, max_k)
+    if spec.scale_granularity == "group":
+        divisors = [g for g in range(1, k + 1) if k % g == 0]
+        spec = TernarySpec(**{**spec.__dict__, "group_size": draw(st.sampled_from(divisors))})
+    m = draw(st.integers(1, max_m))
+    return dict(
+        spec=spec, m=m, n=n, k=k,
+        dtype=draw(st.sampled_from(dtypes)),
+        scale_dtype=draw(st.sampled_from(DTYPES)),
+        weights=draw(st.sampled_from(["random", "random", "zero", "plus", "minus", "plusminus"])),
+        activations=draw(st.sampled_from(["normal", "normal", "extreme", "integer"])),
+        layout=draw(st.sampled_from(["contiguous", "transposed", "strided", "3d"])),
+        bias=draw(st.booleans()),
+        seed=draw(st.integers(0, 2 ** 31 - 1)),
+    )
+
+
+def build(case: dict, device: str = "cpu"):
+    """Checkpoint tensors, the native weight, x, bias and the fp64 reference output."""
+    spec, m, n, k = case["spec"], case["m"], case["n"], case["k"]
+    gen = torch.Generator().manual_seed(case["seed"])
+    legal = {v: [c for c, cv in enumerate(spec.code_map) if cv == v] for v in (-1, 0, 1)}
+    allowed = {"random": [c for c, v in enumerate(spec.code_map) if v is not None],
+               "zero": legal[0], "plus": legal[1], "minus": legal[-1],
+               "plusminus": legal[1] + legal[-1]}[case["weights"]]
+    choice = torch.tensor(allowed)[torch.randint(len(allowed), (n, k), generator=gen)]
+    packed = pack_codes(choice, spec)
+    sshape = spec.scale_shape(n, k)
+    mag = torch.exp(torch.empty(sshape, dtype=torch.float64).uniform_(math.log(0.05), math.log(4.0), generator=gen))
+    sign = torch.where(torch.rand(sshape, generator=gen) < 0.2, -1.0, 1.0)
+    scale = (mag * sign).to(case["scale_dtype"])
+    w64 = decode(packed, scale, spec, n, k, dtype=torch.float64)
+
+    dtype = case["dtype"]
+    finfo = torch.finfo(dtype)
+    wmax = max(float(w64.abs().max()), 1.0)
+    if case["activations"] == "normal":
+        x = torch.randn(m, k, generator=gen, dtype=torch.float64)
+    elif case["activations"] == "integer":
+        x = torch.randint(-8, 9, (m, k), generator=gen).to(torch.float64)
+    else:
+        # Magnitudes from the smallest normal up to where K * |x| * |W| still fits the dtype 8 times over.
+        big = finfo.max / (8.0 * max(k, 1) * wmax)
+        lo, hi = math.log(finfo.tiny), math.log(big)
+        x = torch.exp(torch.empty(m, k, dtype=torch.float64).uniform_(lo, hi, generator=gen))
+        x = x * torch.where(torch.rand(m, k, generator=gen) < 0.5, -1.0, 1.0)
+    x = x.to(dtype)
+    bias = (torch.randn(n, generator=gen, dtype=torch.float64) * 4).to(dtype) if case["bias"] else None
+
+    xd = x.double()
+    slack = torch.zeros(m, n, dtype=torch.float64)
+    if spec.activation_quant:
+        sx = 127.0 / xd.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
+        v = xd * sx
+        xq = v.round().clamp(-128, 127)
+        ref = (xq @ w64.t()) / sx
+        # Within fp32 rounding of a tie, fp32 arithmetic may round the other way: allow one step.
+        ties = ((v.abs() - v.abs().floor()) - 0.5).abs() < 1e-4
+        slack = (ties.double() @ w64.abs().t()) / sx
+        magnitude = (xq.abs() @ w64.abs().t()) / sx
+    else:
+        ref = xd @ w64.t()
+        magnitude = xd.abs() @ w64.abs().t()
+    if bias is not None:
+        ref = ref + bias.double()
+        magnitude = magnitude + bias.double().abs()
+
+    native = repack(packed.to(device), scale.to(device), spec, n, k)
+    return dict(packed=packed, scale=scale, native=native, x=x.to(device),
+                bias=None if bias is None else bias.to(device),
+                ref=ref, magnitude=magnitude, slack=slack, w64=w64)
+
+
+def shaped(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values as a 2-D (M, K) x with the given memory layout."""
+    m, k = x.shape
+    if layout == "transposed":
+        return x.t().contiguous().t()  # stride (1, M)
+    if layout == "strided":
+        wide = torch.full((m, 2 * k + 3), float("nan"), dtype=x.dtype, device=x.device)
+        wide[:, 1:2 * k + 1:2] = x
+        return wide[:, 1:2 * k + 1:2]  # stride (2K + 3, 2), garbage (NaN) in between
+    return x
+
+
+def check(out: torch.Tensor, built: dict, case: dict, what: str) -> None:
+    """||out - ref|| within the bound, no NaN where ref is finite; messages name the worst element."""
+    ref, spec = built["ref"], case["spec"]
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    assert out.dtype == case["dtype"], f"{what}: dtype {out.dtype}, expected {case['dtype']}"
+    o = out.detach().cpu().double()
+    bad = ~torch.isfinite(o)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise AssertionError(f"{what}: {int(bad.sum())} of {o.numel()} outputs are not finite (unwritten "
+                             f"outputs stay NaN); first at {idx}: out={o[idx].item()!r}, ref={ref[idx].item()!r}; "
+                             f"case {describe(case)}")
+    k = case["k"]
+    u_out = UNIT_ROUNDOFF[case["dtype"]]
+    eps_acc = (k + 2) * 2.0 ** -24 + 2.0 ** -20  # fp32 accumulation over K, plus tf32x3 operand splits
+    err = o - ref
+    bound = (1.01 * u_out * ref.norm() + eps_acc * built["magnitude"].norm() + built["slack"].norm()).item()
+    err_norm = err.norm().item()
+    if err_norm > bound or (bound == 0 and err_norm != 0):
+        i = int(err.abs().argmax())
+        idx = (i // ref.shape[1], i % ref.shape[1])
+        rel = err_norm / ref.norm().item() if ref.norm().item() else float("inf")
+        raise AssertionError(
+            f"{what}: ||out-ref|| = {err_norm:.4g} > bound {bound:.4g} (||out-ref||/||ref|| = {rel:.3g}, "
+            f"dtype {case['dtype']}); max |out-ref| = {err.abs().max().item():.4g} at {idx}: "
+            f"out={o[idx].item()!r}, ref={ref[idx].item()!r}; case {describe(case)}")
+
+
+def describe(case: dict) -> str:
+    s = case["spec"]
+    return (f"M={case['m']} N={case['n']} K={case['k']} {case['dtype']} x={case['activations']}/{case['layout']} "
+            f"w={case['weights']} bias={case['bias']} seed={case['seed']} | pack_axis={s.pack_axis} "
+            f"layout={s.pack_layout} bit_order={s.bit_order} code_map={list(s.code_map)} "
+            f"scale={s.scale_granularity}/{s.group_size}/{s.scale_mode}/{case['scale_dtype']} "
+            f"act={s.activation_quant}")
+
+
+def run_kernel(kernel: str, x: torch.Tensor, native: NativeTernary, bias, poison: bool = True, **kw) -> torch.Tensor:
+    """One launch of a kernel on a 2-D x, writing into a NaN-poisoned output where the kernel allows it."""
+    m = x.shape[0]
+    if kernel in ("triton_gemv", "triton_mm"):
+        out = torch.full((m, native.n), float("nan"), dtype=x.dtype, device=x.device) if poison else None
+        return ternary_triton.ternary_linear(x, native.qweight, native.scale, bias, native.k, native.group_size,
+                                             native.act_quant, kernel[7:], out=out, **kw)
+    with poisoned_empty():
+        return ternary_ops.ternary_linear_op(x, native.qweight, native.scale, bias, native.k,
+                                             native.group_size, native.act_quant, kernel)
+
+
+class poisoned_empty:
+    """torch.empty fills floats with NaN inside (deterministic mode's fill_uninitialized_memory)."""
+
+    def __enter__(self):
+        self.prev = (torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled(),
+                     torch.utils.deterministic.fill_uninitialized_memory)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+
+    def __exit__(self, *exc):
+        torch.use_deterministic_algorithms(self.prev[0], warn_only=self.prev[1])
+        torch.utils.deterministic.fill_uninitialized_memory = self.prev[2]
+
+
+def run_case(case: dict, kernel: str, device: str) -> None:
+    built = build(case, device)
+    x = built["x"]
+    what = f"{kernel} on {device}"
+    if case["layout"] == "3d":
+        # (B, T, K) with a transposed middle, through the public entry point.
+        m, k = case["m"], case["k"]
+        b, t = (m // 2, 2) if m % 2 == 0 else (m, 1)
+        wide = torch.full((b, t, k + 5), float("nan"), dtype=x.dtype, device=x.device)
+        wide[..., :k] = x.reshape(b, t, k)
+        x3 = wide[..., :k]  # (B, T, K), row stride K + 5, NaN in the gaps
+        backend = {"torch": "torch", "triton_gemv": "triton", "triton_mm": "triton"}.get(kernel, "cuda")
+        with poisoned_empty():
+            out = ternary_ops.ternary_linear(x3, built["native"], built["bias"], backend=backend)
+        assert out.shape == (b, t, case["n"]), f"{what}: 3-D output shape {tuple(out.shape)}"
+        out = out.reshape(m, case["n"])
+    else:
+        out = run_kernel(kernel, shaped(x, case["layout"]), built["native"], built["bias"])
+    check(out, built, case, what)
+
+
+HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                 HealthCheck.filter_too_much])
+
+# --------------------------------------------------------------------------------------------
+# repack: every variant decodes to the reference weight
+
+
+@settings(max_examples=150, **HYP)
+@given(cases(max_m=1, max_n=40, max_k=300))
+def test_repack_decodes_like_reference(case):
+    built = build(case)
+    w = native_weight(built["native"], torch.float64)
+    ref = built["w64"]
+    # Multiply: exact. Divide: x * fp32(1/s) is within fp32 rounding of x / s.
+    tol = 0.0 if case["spec"].scale_mode == "multiply" else 2.0 ** -23
+    err = (w - ref).abs()
+    worst = int(err.argmax()) if err.numel() else 0
+    idx = (worst // max(ref.shape[1], 1), worst % max(ref.shape[1], 1))
+    assert bool((err <= tol * ref.abs()).all()), (
+        f"native weight differs from references.ternary.decode: max |diff| {err.max().item():.3g} at {idx}: "
+        f"native={w[idx].item()!r}, reference={ref[idx].item()!r}; case {describe(case)}")
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_repack_presets_roundtrip(name):
+    spec = PRESETS[name]
+    n, k = 8, 32
+    values = torch.tensor([-1, 0, 1])[torch.randint(3, (n, k), generator=torch.Generator().manual_seed(1))]
+    from references.ternary import pack_values
+
+    packed = pack_values(values, spec)
+    scale = torch.rand(spec.scale_shape(n, k), generator=torch.Generator().manual_seed(2)) + 0.5
+    native = repack(packed, scale, spec, n, k)
+    assert native.act_quant == (spec.activation_quant is not None), f"{name}: act_quant flag lost"
+    from kernels.ternary_repack import unpack_native
+
+    got = unpack_native(native.qweight, k)
+    assert torch.equal(got, unpack_values(packed, spec)), f"{name}: native values differ from the reference"
+
+
+@pytest.mark.parametrize("pack_axis", ["input", "output"])
+def test_repack_rejects_illegal_codes(pack_axis):
+    spec = TernarySpec(pack_axis=pack_axis, code_map=(0, None, 1, -1))
+    n, k = 8, 16
+    packed = pack_codes(torch.zeros(n, k, dtype=torch.uint8), spec)
+    packed[1, 2] = 0b01_00_00_00  # code 1 (null) in one field
+    scale = torch.ones(spec.scale_shape(n, k))
+    with pytest.raises(DecodeError) as ours:
+        repack(packed, scale, spec, n, k)
+    with pytest.raises(DecodeError) as theirs:
+        unpack_values(packed, spec)
+    assert str(ours.value) == str(theirs.value), "repack must reject illegal codes as the reference does"
+    assert "(1, 2)" in str(ours.value), f"message should name the packed index: {ours.value}"
+
+
+def test_repack_rejects_bad_inputs():
+    spec = PRESETS["seed-article"]
+    packed = torch.zeros(4, 4, dtype=torch.uint8)
+    with pytest.raises(FormatError, match="packed shape"):
+        repack(packed, torch.ones(4), spec, 4, 20)
+    with pytest.raises(FormatError, match="uint8"):
+        repack(packed.to(torch.int16), torch.ones(4), spec, 4, 16)
+    with pytest.raises(FormatError, match="scale: shape"):
+        repack(packed, torch.ones(5), spec, 4, 16)
+    with pytest.raises(DecodeError, match="NaN or Inf"):
+        repack(packed, torch.tensor([1.0, float("inf"), 1.0, 1.0]), spec, 4, 16)
+    divide = TernarySpec(scale_mode="divide")
+    with pytest.raises(DecodeError, match="zeros"):
+        repack(packed, torch.tensor([1.0, 0.0, 1.0, 1.0]), divide, 4, 16)
+
+
+# --------------------------------------------------------------------------------------------
+# kernels on the CPU: the torch op and Triton through the interpreter
+
+
+@settings(max_examples=60, **HYP)
+@given(cases(max_m=24, max_n=48, max_k=300))
+def test_torch_op_matches_reference(case):
+    run_case(case, "torch", "cpu")
+
+
+@pytest.mark.skipif(CUDA, reason="GPU runs the Triton kernels in test_gpu_kernels_match_reference")
+@settings(max_examples=20, **HYP)
+@given(cases(max_m=3, max_n=40, max_k=160))
+def test_triton_gemv_interpreted_matches_reference(case):
+    run_case(case, "triton_gemv", "cpu")
+
+
+@pytest.mark.skipif(CUDA, reason="GPU runs the Triton kernels in test_gpu_kernels_match_reference")
+@settings(max_examples=25, **HYP)
+@given(cases(max_m=40, max_n=48, max_k=160))
+def test_triton_mm_interpreted_matches_reference(case):
+    run_case(case, "triton_mm", "cpu")
+
+
+@pytest.mark.skipif(CUDA, reason="GPU runs split-K in test_gpu_split_k_and_graphs")
+@pytest.mark.parametrize("split", [2, 3])
+def test_triton_mm_split_k_interpreted(split):
+    case = dict(spec=PRESETS["seed-article"], m=5, n=20, k=200, dtype=torch.float32, scale_dtype=torch.float16,
+                weights="random", activations="normal", layout="contiguous", bias=True, seed=split)
+    built = build(case)
+    for _ in range(2):  # the second call finds the arrival counters reset
+        out = run_kernel("triton_mm", built["x"], built["native"], built["bias"], config={"SPLIT_K": split})
+        check(out, built, case, f"triton_mm split_k={split}")
+
+
+@pytest.mark.parametrize("kernel", ["torch"] + ([] if CUDA else ["triton_gemv", "triton_mm"]))
+def test_opcheck(kernel):
+    case = dict(spec=PRESETS["hf-bitnet"], m=3, n=8, k=32, dtype=torch.float32, scale_dtype=torch.bfloat16,
+                weights="random", activations="normal", layout="contiguous", bias=True, seed=7)
+    nat = build(case)["native"]
+    x = torch.randn(3, 32)
+    torch.library.opcheck(torch.ops.vllm_parity.ternary_linear.default,
+                          (x, nat.qweight, nat.scale, torch.randn(8), nat.k, nat.group_size, nat.act_quant, kernel))
+
+
+def test_public_entry_point_backends(monkeypatch):
+    case = dict(spec=PRESETS["seed-article"], m=2, n=12, k=32, dtype=torch.float32, scale_dtype=torch.float32,
+                weights="random", activations="normal", layout="contiguous", bias=False, seed=3)
+    built = build(case)
+    monkeypatch.setenv("PARITY_KERNEL_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        ternary_ops.ternary_linear(built["x"], built["native"])
+    monkeypatch.setenv("PARITY_KERNEL_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="unknown ternary backend 'bogus'"):
+        ternary_ops.ternary_linear(built["x"], built["native"])
+    monkeypatch.delenv("PARITY_KERNEL_BACKEND")
+    assert ternary_ops.resolve_backend(None, torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="expects 32"):
+        ternary_ops.ternary_linear(torch.zeros(2, 31), built["native"])
+    out = ternary_ops.ternary_linear(built["x"].reshape(2, 1, 32), built["native"])
+    assert out.shape == (2, 1, 12), f"leading dims not kept: {tuple(out.shape)}"
+    check(out.reshape(2, 12), built, case, "public entry point, default backend")
+
+
+def test_kernel_choice_is_by_shape_only():
+    assert ternary_ops.select_kernel("torch", 1) == "torch"
+    small = ternary_ops.select_kernel("triton", 1)
+    large = ternary_ops.select_kernel("triton", 4096)
+    assert large == "triton_mm", f"large M must take the tensor-core kernel, got {large}"
+    assert small in ("triton_gemv", "triton_mm")
+    assert ternary_ops.select_kernel("cuda", 1) == "cuda_vec"
+
+
+def test_cuda_module_imports_without_compiling():
+    assert ternary_cuda._EXT is None, "importing kernels.ternary_cuda must not build the extension"
+    if not CUDA:
+        assert not ternary_cuda.available()
+        with pytest.raises(RuntimeError, match="CUDA GPU"):
+            ternary_cuda.extension()
+
+
+# --------------------------------------------------------------------------------------------
+# GPU
+
+
+GPU_KERNELS = ["triton_gemv", "triton_mm", "cuda_naive", "cuda_vec"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+@settings(max_examples=int(os.environ.get("PARITY_GPU_EXAMPLES", "60")), **HYP)
+@given(case=cases(max_m=300, max_n=520, max_k=1100))
+def test_gpu_kernels_match_reference(kernel, case):
+    if kernel == "cuda_naive":
+        assume(case["m"] * case["n"] * case["k"] <= 20_000_000)
+    run_case(case, kernel, "cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (16, 2048, 5632), (300, 1000, 1000), (7, 5632, 2048)])
+def test_gpu_kernels_model_shapes(kernel, m, n, k):
+    for i, (spec, dtype) in enumerate([(PRESETS["seed-article"], torch.float16),
+                                       (PRESETS["hf-bitnet"], torch.bfloat16),
+                                       (TernarySpec(scale_granularity="group", group_size=8), torch.bfloat16)]):
+        case = dict(spec=spec, m=m, n=n, k=k, dtype=dtype, scale_dtype=torch.bfloat16, weights="random",
+                    activations="normal", layout="contiguous", bias=i == 0, seed=11 + i)
+        built = build(case, "cuda")
+        check(run_kernel(kernel, built["x"], built["native"], built["bias"]), built, case, f"{kernel} {spec}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_split_k_and_graphs(backend):
+    """The public op inside a CUDA graph: replays give the reference every time (split-K counters reset)."""
+    case = dict(spec=PRESETS["seed-article"], m=4, n=1024, k=4096, dtype=torch.float16, scale_dtype=torch.float16,
+                weights="random", activations="normal", layout="contiguous", bias=True, seed=5)
+    built = build(case, "cuda")
+    x = built["x"].clone()
+    static_out = ternary_ops.ternary_linear(x, built["native"], built["bias"], backend=backend)  # warm up / build
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = ternary_ops.ternary_linear(x, built["native"], built["bias"], backend=backend)
+    for i in range(3):
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(static_out, built, case, f"{backend} graph replay {i}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kernel", ["triton_mm", "triton_gemv", "cuda_vec"])
+def test_gpu_opcheck(kernel):
+    case = dict(spec=PRESETS["hf-bitnet"], m=5, n=64, k=96, dtype=torch.bfloat16, scale_dtype=torch.bfloat16,
+                weights="random", activations="normal", layout="contiguous", bias=True, seed=13)
+    built = build(case, "cuda")
+    nat = built["native"]
+    torch.library.opcheck(torch.ops.vllm_parity.ternary_linear.default,
+                          (built["x"], nat.qweight, nat.scale, built["bias"], nat.k, nat.group_size,
+                           nat.act_quant, kernel))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_torch_compile():
+    case = dict(spec=PRESETS["hf-bitnet"], m=8, n=256, k=512, dtype=torch.bfloat16, scale_dtype=torch.bfloat16,
+                weights="random", activations="normal", layout="contiguous", bias=False, seed=9)
+    built = build(case, "cuda")
+    fn = torch.compile(lambda x: ternary_ops.ternary_linear(x, built["native"]), fullgraph=True)
+    check(fn(built["x"]), built, case, "torch.compile(ternary_linear)")
