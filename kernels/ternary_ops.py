@@ -6,9 +6,10 @@ gives its output shape). Which kernel runs for a given M is decided here, in Pyt
 op is called.
 
 Backends (argument ``backend`` or env ``PARITY_KERNEL_BACKEND``): ``torch`` (pure torch, any
-device), ``triton`` (GPU, or the CPU through ``TRITON_INTERPRET=1``), ``cuda`` (``csrc/ternary.cu``).
-Default: ``torch`` on the CPU, ``triton`` on CUDA (the fastest measured on an H200,
-benchmarks/NOTES.md).
+device), ``triton`` (GPU, or the CPU through ``TRITON_INTERPRET=1``), ``cuda`` (``csrc/ternary.cu``),
+``auto`` (per M, the fastest measured on an H200, benchmarks/NOTES.md: the CUDA vectorized kernel
+for M <= 2 where nvcc can build it, the Triton tensor-core kernel above). Default: ``torch`` on the
+CPU, ``auto`` on CUDA.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import torch
 
 from kernels.ternary_repack import NativeTernary, native_weight, repack, unpack_native  # noqa: F401
 
-BACKENDS = ("torch", "triton", "cuda")
+BACKENDS = ("torch", "triton", "cuda", "auto")
 KERNELS = ("torch", "triton_gemv", "triton_mm", "cuda_naive", "cuda_vec")
 
 # Largest M for which each backend runs its GEMV-shaped kernel (measured, benchmarks/NOTES.md).
 TRITON_GEMV_MAX_M = 1
+AUTO_CUDA_VEC_MAX_M = 2
 CUDA_VEC_MAX_M = 1 << 30  # the CUDA backend has no tensor-core kernel
 
 
@@ -68,15 +70,15 @@ def _ternary_linear_fake(x, qweight, scale, bias, k, group_size, act_quant, kern
 
 
 def default_backend(device: torch.device) -> str:
-    return "triton" if device.type == "cuda" else "torch"
+    return "auto" if device.type == "cuda" else "torch"
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     backend = backend or os.environ.get("PARITY_KERNEL_BACKEND") or default_backend(device)
     if backend not in BACKENDS:
         raise ValueError(f"unknown ternary backend {backend!r}; expected one of {BACKENDS}")
-    if backend == "cuda" and device.type != "cuda":
-        raise ValueError(f"ternary backend 'cuda' needs CUDA tensors, got {device}")
+    if backend in ("cuda", "auto") and device.type != "cuda":
+        raise ValueError(f"ternary backend {backend!r} needs CUDA tensors, got {device}")
     if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         raise ValueError("ternary backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 "
                          "(set before triton is imported)")
@@ -89,6 +91,12 @@ def select_kernel(backend: str, m: int) -> str:
         return "torch"
     if backend == "triton":
         return "triton_gemv" if m <= TRITON_GEMV_MAX_M else "triton_mm"
+    if backend == "auto":
+        from kernels import ternary_cuda
+
+        if m <= AUTO_CUDA_VEC_MAX_M and ternary_cuda.available():
+            return "cuda_vec"
+        return select_kernel("triton", m)
     return "cuda_vec" if m <= CUDA_VEC_MAX_M else "cuda_naive"
 
 

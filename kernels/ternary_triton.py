@@ -301,6 +301,9 @@ def _num_sms(device: torch.device) -> int:
 def gemv_config(m: int, n: int, k: int) -> dict:
     if interpreting():
         return {"BN": 32, "BKW": 8, "num_warps": 1, "num_stages": 1}
+    if k >= 8192:
+        # Long rows: more programs (fewer rows each) and longer contiguous runs per row.
+        return {"BN": 8, "BKW": 64, "num_warps": 4, "num_stages": 2}
     return {"BN": 16, "BKW": 16, "num_warps": 4, "num_stages": 3}
 
 

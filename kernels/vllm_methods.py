@@ -165,11 +165,12 @@ class LoadTracker:
 def int8x_backend(device: torch.device) -> str:
     """``PARITY_KERNEL_BACKEND`` when set, else Triton on a GPU and the torch op elsewhere.
 
-    int8x has a torch and a Triton implementation; ``cuda`` (which selects the CUDA ternary kernels)
-    selects int8x's GPU kernel, Triton.
+    int8x has a torch and a Triton implementation only: ``cuda`` (the CUDA ternary kernels) selects
+    int8x's GPU kernel, Triton, and ``auto`` int8x's own default for the device.
     """
     chosen = os.environ.get(int8x_ops.ENV_BACKEND) or None
-    return int8x_ops.resolve_backend("triton" if chosen == "cuda" else chosen, device)
+    chosen = {"cuda": "triton", "auto": None}.get(chosen, chosen)
+    return int8x_ops.resolve_backend(chosen, device)
 
 
 def _release(layer: torch.nn.Module, names) -> None:

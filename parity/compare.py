@@ -9,7 +9,7 @@ import torch
 
 from parity.dumps import DumpReader
 from parity.metrics import Metrics, ShapeMismatch, Tolerance, compare, describe, passes
-from parity.taps import LEVEL_BLOCK, layer_of, level_of
+from parity.taps import LEVEL_BLOCK, inputs_of, layer_of, level_of
 from parity.tolerances import ToleranceTable
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -28,6 +28,7 @@ class TapResult:
     message: str = ""
     role: str = "pass"  # "pass", "source" or "inherited"
     fed_by: list[str] = field(default_factory=list)
+    isolated: "TapResult | None" = None  # the same tap with every layer fed the reference's input
 
     def as_dict(self) -> dict[str, Any]:
         m = self.metrics.as_dict() if self.metrics else None
@@ -39,7 +40,9 @@ class TapResult:
             "min_tolerance": None if m is None else {"atol": m["min_atol"], "rtol": self.tolerance.rtol},
             "worst": None if m is None else {"index": m["worst_index"], "reference": m["worst_ref"],
                                              "candidate": m["worst_cand"]},
-            "role": self.role, "message": self.message,
+            "role": self.role, "fed_by": self.fed_by, "message": self.message,
+            **({"isolated": {"metrics": self.isolated.as_dict()["metrics"], "passed": self.isolated.passed,
+                             "message": self.isolated.message}} if self.isolated is not None else {}),
         }
 
 
@@ -77,11 +80,30 @@ def compare_tap(ref: DumpReader, cand: DumpReader, tap: str, table: ToleranceTab
                      message="" if ok else describe(tap, m, tol))
 
 
-def compare_dumps(ref: DumpReader, cand: DumpReader, taps: list[str], table: ToleranceTable) -> list[TapResult]:
+def compare_dumps(ref: DumpReader, cand: DumpReader, taps: list[str], table: ToleranceTable,
+                  num_layers: int | None = None) -> list[TapResult]:
     results = [compare_tap(ref, cand, t, table) for t in taps]
     apply_growth(results, table)
-    attribute(results)
+    attribute(results, num_layers)
     return results
+
+
+def merge_isolated(propagated: list[TapResult], isolated: list[TapResult]) -> None:
+    """Roles from both runs: a tap that fails with every layer fed the reference's input (and whose
+    inputs pass there) is a source; one that fails only when errors propagate inherits them."""
+    iso = {r.name: r for r in isolated}
+    for r in propagated:
+        i = iso.get(r.name)
+        r.isolated = i
+        if i is None:
+            continue
+        if i.role == "source":
+            r.role, r.fed_by = "source", []
+        elif not r.passed or not i.passed:
+            r.role = "inherited"
+            r.fed_by = r.fed_by or i.fed_by
+        else:
+            r.role = "pass"
 
 
 def apply_growth(results: list[TapResult], table: ToleranceTable) -> None:
@@ -101,26 +123,21 @@ def apply_growth(results: list[TapResult], table: ToleranceTable) -> None:
         prev = r
 
 
-def attribute(results: list[TapResult]) -> None:
-    """A failing tap whose inputs pass is a source; a failure after a failing input is inherited.
+def attribute(results: list[TapResult], num_layers: int | None = None) -> None:
+    """A failing tap whose inputs all pass is a source; one with a failing input inherits from it.
 
-    Within a layer, every op tap reads the layer input, so the earliest failing tap of a forward
-    order is the source and later failures inherit from it; a later failure in the same run is a
-    new source only when some tap between them passed the layer boundary cleanly.
+    Inputs follow the dataflow of a decoder layer (``parity.taps.inputs_of``); an input that was not
+    compared counts as passing, so narrowing the taps can only make more taps sources.
     """
-    last_source: TapResult | None = None
+    layers = num_layers if num_layers is not None else 1 + max((r.layer for r in results if r.layer is not None),
+                                                               default=-1)
+    failed = {r.name for r in results if not r.passed}
     for r in results:
         if r.passed:
-            if r.name.endswith(".output") or r.name in ("embed", "final_norm"):
-                if last_source is not None and r.layer is not None:
-                    last_source = None  # a clean layer boundary: later failures are new
+            r.role, r.fed_by = "pass", []
             continue
-        if last_source is None:
-            r.role = "source"
-            last_source = r
-        else:
-            r.role = "inherited"
-            r.fed_by = [last_source.name]
+        bad_inputs = [t for t in inputs_of(r.name, layers) if t in failed]
+        r.role, r.fed_by = ("inherited", bad_inputs) if bad_inputs else ("source", [])
 
 
 def first_divergence(results: list[TapResult]) -> TapResult | None:

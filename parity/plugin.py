@@ -30,8 +30,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--parity-candidate", choices=CANDIDATES, default="vllm",
                 help="vllm: the real engine with the plugin; kernels: the reference's modeling code with "
                      "the kernel linears (no vLLM needed)")
-    g.addoption("--parity-mode", choices=("propagated",), default="propagated",
-                help="propagated: both sides run free from the same token ids")
+    g.addoption("--parity-mode", choices=("propagated", "isolated"), default="propagated",
+                help="propagated: both sides run free from the same token ids; isolated: besides, every "
+                     "candidate layer is fed the reference's input for it, and a tap fails on its own error")
     g.addoption("--parity-prompts", default=None, metavar="FILE",
                 help="JSON array of token-id arrays (default fixtures/prompts/default.json)")
     g.addoption("--parity-taps", default=None, metavar="GLOB", help="compare only taps matching GLOB")
@@ -114,6 +115,8 @@ class ParityItem(pytest.Item):
                 raise TapFailure(_describe_check(self.check, result))
             return
         r = session.run()[self.check]
+        if r.isolated is not None:  # isolated mode: the tap's own error decides
+            r = _isolated_view(r)
         if r.metrics is not None:
             for k, v in r.as_dict()["metrics"].items():
                 self.user_properties.append((k, v))
@@ -129,6 +132,14 @@ class ParityItem(pytest.Item):
 
     def reportinfo(self):
         return self.path, None, f"parity {self.check}"
+
+
+def _isolated_view(r):
+    import dataclasses
+
+    iso = r.isolated
+    note = f" (propagated: {'pass' if r.passed else 'fail'}, role {r.role})"
+    return dataclasses.replace(iso, message=(iso.message + note) if iso.message else "", isolated=None)
 
 
 def _describe_check(check: str, result: dict) -> str:

@@ -14,19 +14,31 @@ from parity.taps import HF_LLAMA
 
 
 def capture(model: nn.Module, prompts: list[list[int]], out: str | Path, meta: dict | None = None,
-            wanted: Callable[[str], bool] | None = None) -> DumpReader:
-    """Run each prompt on its own (batch 1, no padding) and dump every tap."""
+            wanted: Callable[[str], bool] | None = None, isolate_from: DumpReader | None = None) -> DumpReader:
+    """Run each prompt on its own (batch 1, no padding) and dump every tap; with ``isolate_from``
+    every decoder layer is fed that dump's input for it."""
     writer = DumpWriter(out, meta)
     num_layers = model.config.num_hidden_layers
+    current = {"prompt": 0}
+    feeds = []
+    if isolate_from is not None:
+        for i, layer in enumerate(model.model.layers):
+            def feed(mod, args, i=i):
+                ref = isolate_from.get(f"layers.{i}.input", current["prompt"]).to(args[0].dtype)
+                return (ref.unsqueeze(0), *args[1:])
+            feeds.append(layer.register_forward_pre_hook(feed))
     rec = Recorder(model, HF_LLAMA, num_layers, writer, wanted=wanted).install()
     try:
         for p, ids in enumerate(prompts):
+            current["prompt"] = p
             rec.rows = lambda t, p=p: {p: t[0] if t.dim() == 3 else t}
             with torch.no_grad():
                 model(torch.tensor([ids], dtype=torch.long), use_cache=False)
             rec.flush()
     finally:
         rec.remove()
+        for h in feeds:
+            h.remove()
     missing = rec.missing()
     if missing:
         raise RuntimeError(f"taps never fired on the reference: {missing[:5]}")

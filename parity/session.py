@@ -20,7 +20,7 @@ import torch
 from fixtures.prompts import DEFAULT, load_prompts, prompts_sha256
 from parity import report as report_mod
 from parity import snapshots
-from parity.compare import TapResult, compare_dumps, first_divergence
+from parity.compare import TapResult, compare_dumps, first_divergence, merge_isolated
 from parity.dumps import DumpReader
 from parity.taps import canonical_order, level_of
 from parity.tolerances import ToleranceTable
@@ -154,23 +154,28 @@ class ParitySession:
             self.timings["engine_start_s"] = time.perf_counter() - t0
         return self._llm
 
-    def candidate_dump(self) -> DumpReader:
+    def candidate_dump(self, isolated: bool = False) -> DumpReader:
         t0 = time.perf_counter()
-        out = self.dump_root() / "candidate"
+        out = self.dump_root() / ("candidate-isolated" if isolated else "candidate")
+        feed = self.reference if isolated else None
+        meta = {**self.meta("candidate"), "mode": "isolated" if isolated else "propagated"}
         if self.opts.candidate == "vllm":
             from parity import vllm_side
 
-            dump = vllm_side.capture(self.llm(), self.prompts, out, self.meta("candidate"), taps=self.capture_taps())
+            dump = vllm_side.capture(self.llm(), self.prompts, out, meta, taps=self.capture_taps(), isolate_from=feed)
         elif self.opts.candidate == "kernels":
             from parity import reference_side
-            from parity.kernel_candidate import build_kernel_model
 
-            dump = reference_side.capture(build_kernel_model(self.ckpt), self.prompts, out,
-                                          self.meta("candidate"), wanted=self.wanted)
+            dump = reference_side.capture(self._kernel_model(), self.prompts, out, meta, wanted=self.wanted,
+                                          isolate_from=feed)
         else:
             raise ValueError(f"unknown candidate {self.opts.candidate!r}; choose one of {CANDIDATES}")
-        self.timings["candidate_s"] = time.perf_counter() - t0
+        self.timings["candidate_isolated_s" if isolated else "candidate_s"] = time.perf_counter() - t0
         return dump
+
+    def _compare(self, cand: DumpReader) -> list[TapResult]:
+        """Every captured tap, layer inputs included (they decide source against inherited)."""
+        return compare_dumps(self.reference, cand, self.capture_taps(), self.opts.tolerances, self.num_layers)
 
     def run(self) -> dict[str, TapResult]:
         """Make both dumps and compare every tap (once); an error is kept and re-raised per item."""
@@ -182,9 +187,13 @@ class ParitySession:
                     return self.results
                 self.reference, self.candidate = self.reference_dump(), self.candidate_dump()
                 t0 = time.perf_counter()
-                results = compare_dumps(self.reference, self.candidate, self.taps(), self.opts.tolerances)
+                results = self._compare(self.candidate)
+                if self.opts.mode == "isolated":
+                    self.candidate_isolated = self.candidate_dump(isolated=True)
+                    merge_isolated(results, self._compare(self.candidate_isolated))
                 self.timings["compare_s"] = time.perf_counter() - t0
-                self.results = {r.name: r for r in results}
+                shown = set(self.taps())
+                self.results = {r.name: r for r in results if r.name in shown}
             except BaseException as exc:  # noqa: BLE001 - reported by every item that needs it
                 self.error = exc
         if self.error is not None:

@@ -104,6 +104,14 @@ TAKE: dict[str, Callable[[Any, dict], torch.Tensor]] = {
     "halves.0": _half(0), "halves.1": _half(1),
 }
 
+# What each tap computes from (within a layer): a failing tap whose inputs all pass is a source.
+_LAYER_INPUTS = {
+    "attn.norm": ("input",), "attn.q": ("attn.norm",), "attn.k": ("attn.norm",), "attn.v": ("attn.norm",),
+    "attn.context": ("attn.q", "attn.k", "attn.v"), "attn.o": ("attn.context",),
+    "mlp.norm": ("input", "attn.o"), "mlp.gate": ("mlp.norm",), "mlp.up": ("mlp.norm",),
+    "mlp.act": ("mlp.gate", "mlp.up"), "mlp.down": ("mlp.act",), "output": ("input", "attn.o", "mlp.down"),
+}
+
 LEVEL_OP, LEVEL_BLOCK, LEVEL_MODEL = "op", "block", "model"
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -114,6 +122,21 @@ def level_of(tap: str) -> str:
     if m:
         return LEVEL_BLOCK if m.group(2) in ("output", "input") else LEVEL_OP
     return LEVEL_OP if tap == "embed" else LEVEL_MODEL
+
+
+def inputs_of(tap: str, num_layers: int) -> list[str]:
+    """The taps whose values ``tap`` is computed from."""
+    m = _LAYER.match(tap)
+    if m:
+        i, part = int(m.group(1)), m.group(2)
+        if part == "input":
+            return ["embed"] if i == 0 else [f"layers.{i - 1}.output"]
+        return [f"layers.{i}.{p}" for p in _LAYER_INPUTS[part]]
+    if tap == "final_norm":
+        return [f"layers.{num_layers - 1}.output"]
+    if tap == "logits":
+        return ["final_norm"]
+    return []
 
 
 def layer_of(tap: str) -> int | None:

@@ -79,8 +79,12 @@ class _StepRows:
 
 
 def _install_worker(worker, capture_id: str, out: str, prompt_lens: list[int], taps: list[str] | None,
-                    meta: dict) -> int:
-    """Runs in each worker: hook the model, stream this rank's taps to ``out/rank{r}``."""
+                    meta: dict, isolate_from: str | None = None) -> dict:
+    """Runs in each worker: hook the model, stream this rank's taps to ``out/rank{r}``.
+
+    With ``isolate_from`` (a reference dump directory) every decoder layer is fed the reference's input
+    for that layer, so each layer's error is its own.
+    """
     from vllm.distributed import get_tensor_model_parallel_rank
 
     rank = get_tensor_model_parallel_rank()
@@ -98,6 +102,10 @@ def _install_worker(worker, capture_id: str, out: str, prompt_lens: list[int], t
     # fire: the step starts at the embedding, and positions are the first decoder layer's argument.
     handles = [model.model.embed_tokens.register_forward_pre_hook(lambda mod, args: rows.begin()),
                model.model.layers[0].register_forward_pre_hook(lambda mod, args: rows.check_positions(args[0]))]
+    if isolate_from is not None:
+        ref = DumpReader(isolate_from)
+        for i, layer in enumerate(model.model.layers):
+            handles.append(layer.register_forward_pre_hook(_feed_reference(ref, i, rows)))
     rec.install()
     if wanted is None or "logits" in wanted:
         def logits(mod, args, out):
@@ -108,6 +116,19 @@ def _install_worker(worker, capture_id: str, out: str, prompt_lens: list[int], t
         handles.append(model.model.norm.register_forward_hook(logits))
     _ACTIVE[capture_id] = {"rec": rec, "handles": handles, "writer": writer}
     return {"rank": rank, "kv_heads": attn.num_kv_heads, "total_kv_heads": attn.total_num_kv_heads}
+
+
+def _feed_reference(ref: DumpReader, layer: int, rows: _StepRows):
+    """A pre-hook giving decoder layer ``layer`` the reference's input, residual folded in (None)."""
+    def hook(mod, args):
+        positions, hidden = args[0], args[1]
+        if not rows.spans:
+            return None
+        fed = (hidden if args[2] is None else hidden + args[2]).clone()
+        for p, s, e in rows.spans:
+            fed[s:e] = ref.get(f"layers.{layer}.input", p).to(fed.dtype)
+        return (positions, fed, None, *args[3:])
+    return hook
 
 
 def _finish_worker(worker, capture_id: str) -> dict:
@@ -122,8 +143,9 @@ def _finish_worker(worker, capture_id: str) -> dict:
 
 
 def capture(llm, prompts: list[list[int]], out: str | Path, meta: dict | None = None,
-            taps: list[str] | None = None) -> DumpReader:
-    """Run every prompt once through ``llm`` and dump its taps (``taps`` None: all of them)."""
+            taps: list[str] | None = None, isolate_from: DumpReader | None = None) -> DumpReader:
+    """Run every prompt once through ``llm`` and dump its taps (``taps`` None: all of them);
+    ``isolate_from``: feed each decoder layer that reference dump's input for it."""
     from vllm import SamplingParams
 
     out = Path(out)
@@ -131,8 +153,9 @@ def capture(llm, prompts: list[list[int]], out: str | Path, meta: dict | None = 
     shutil.rmtree(ranks_dir, ignore_errors=True)
     capture_id = f"{out}"
     meta = dict(meta or {})
+    iso = str(isolate_from.root) if isolate_from is not None else None
     infos = llm.collective_rpc(_install_worker, args=(capture_id, str(ranks_dir), [len(p) for p in prompts],
-                                                      taps, meta))
+                                                      taps, meta, iso))
     world = len(infos)
     # with fewer kv heads than ranks, consecutive ranks hold the same kv head
     kv_step = max(1, world // max(1, infos[0]["total_kv_heads"]))

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from parity import report, snapshots
-from parity.compare import compare_dumps, first_divergence
+from parity.compare import attribute, compare_dumps, first_divergence
 from parity.dumps import DumpReader, DumpWriter
 from parity.metrics import Tolerance, compare, passes
 from parity.taps import canonical_order, level_of
@@ -120,14 +120,29 @@ def test_dump_round_trip_and_manifest(tmp_path):
 
 
 def test_compare_finds_the_planted_source(tmp_path):
-    ref, cand, taps = _pair(tmp_path, fault_tap="layers.1.mlp.gate")
+    # every tap from mlp.act on is off: act is the source, what is computed from it inherits
+    ref, cand, taps = _pair(tmp_path, fault_tap="layers.1.mlp.act")
     results = compare_dumps(ref, cand, [t for t in taps if not t.endswith(".input")], ToleranceTable())
     by = {r.name: r for r in results}
-    assert all(by[t].passed for t in taps[: taps.index("layers.1.mlp.gate")] if t in by)
-    assert first_divergence(results).name == "layers.1.mlp.gate"
-    assert by["layers.1.mlp.up"].role == "inherited" and by["layers.1.mlp.up"].fed_by == ["layers.1.mlp.gate"]
-    assert by["layers.1.mlp.gate"].metrics.worst_index[:2] in {(0, i) for i in range(5)} | {(1, i) for i in range(3)}
-    assert "outside atol=0.0001" in by["layers.1.mlp.gate"].message
+    assert all(by[t].passed for t in taps[: taps.index("layers.1.mlp.act")] if t in by)
+    assert first_divergence(results).name == "layers.1.mlp.act"
+    assert (by["layers.1.mlp.down"].role, by["layers.1.mlp.down"].fed_by) == ("inherited", ["layers.1.mlp.act"])
+    assert (by["layers.1.output"].role, by["layers.1.output"].fed_by) == ("inherited", ["layers.1.mlp.down"])
+    assert by["logits"].role == "inherited"
+    assert by["layers.1.mlp.act"].metrics.worst_index[:2] in {(0, i) for i in range(5)} | {(1, i) for i in range(3)}
+    assert "outside atol=0.0001" in by["layers.1.mlp.act"].message
+
+
+def test_independent_failures_are_each_a_source(tmp_path):
+    ref, _, taps = _pair(tmp_path)
+    results = compare_dumps(ref, ref, ["layers.0.attn.norm", "layers.0.attn.k", "layers.0.attn.v",
+                                       "layers.0.attn.context"], ToleranceTable())
+    for r in results[1:3]:
+        r.passed = False  # k and v both wrong, both computed from attn.norm, which passes
+    results[3].passed = False
+    attribute(results)
+    assert [r.role for r in results] == ["pass", "source", "source", "inherited"]
+    assert results[3].fed_by == ["layers.0.attn.k", "layers.0.attn.v"]
 
 
 def test_growth_bound_flags_a_jump_inside_tolerance(tmp_path):

@@ -151,3 +151,23 @@ def test_planted_fault_fails_at_exactly_its_tap(pytester, monkeypatch, fault, mo
     meta = json.loads((snaps[0] / "meta.json").read_text())
     assert "--parity-level=model" in meta["command"]
     assert tap in json.loads((snaps[0] / "diff.json").read_text())
+
+
+def test_isolated_mode_marks_only_the_faulty_layer(pytester, monkeypatch):
+    pytester.makeconftest(FAULTY_PLUGIN)
+    monkeypatch.setenv("PARITY_TEST_FAULT", "bit_order:model.layers.1.self_attn.o_proj")
+    result = _run(pytester, "--parity-level=block", "--parity-mode=isolated")
+    rep = _report(pytester)
+    by = {t["name"]: t for t in rep["taps"]}
+    sources = [t["name"] for t in rep["taps"] if t["role"] == "source"]
+    assert sources == ["layers.1.attn.o"]
+    assert rep["first_divergence"]["name"] == "layers.1.attn.o"
+    # propagated, every later layer fails too; isolated, layers 2 and 3 are clean
+    assert not by["layers.3.output"]["passed"] and by["layers.3.output"]["isolated"]["passed"]
+    assert by["layers.3.output"]["role"] == "inherited"
+    assert not by["layers.1.output"]["isolated"]["passed"]
+    outcomes = result.parseoutcomes()
+    # isolated items fail on their layer's own error: layer 1 from attn.o to mlp.down; the block
+    # level waits for the op level (funnel)
+    assert (outcomes["failed"], outcomes["skipped"]) == (6, 4), outcomes
+    assert by["layers.1.mlp.down"]["role"] == "inherited"

@@ -371,8 +371,10 @@ def test_public_entry_point_backends(monkeypatch):
                 weights="random", activations="normal", layout="contiguous", bias=False, seed=3)
     built = build(case)
     monkeypatch.setenv("PARITY_KERNEL_BACKEND", "cuda")
-    with pytest.raises(ValueError, match="needs CUDA tensors"):
+    with pytest.raises(ValueError, match="'cuda' needs CUDA tensors"):
         ternary_ops.ternary_linear(built["x"], built["native"])
+    with pytest.raises(ValueError, match="'auto' needs CUDA tensors"):
+        ternary_ops.ternary_linear(built["x"], built["native"], backend="auto")
     monkeypatch.setenv("PARITY_KERNEL_BACKEND", "bogus")
     with pytest.raises(ValueError, match="unknown ternary backend 'bogus'"):
         ternary_ops.ternary_linear(built["x"], built["native"])
@@ -392,6 +394,8 @@ def test_kernel_choice_is_by_shape_only():
     assert large == "triton_mm", f"large M must take the tensor-core kernel, got {large}"
     assert small in ("triton_gemv", "triton_mm")
     assert ternary_ops.select_kernel("cuda", 1) == "cuda_vec"
+    assert ternary_ops.select_kernel("auto", 4096) == "triton_mm"
+    assert ternary_ops.select_kernel("auto", 1) == ("cuda_vec" if ternary_cuda.available() else small)
 
 
 def test_cuda_module_imports_without_compiling():
@@ -436,7 +440,7 @@ def test_gpu_kernels_model_shapes(kernel, m, n, k):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("backend", ["triton", "cuda", "auto"])
 def test_gpu_split_k_and_graphs(backend):
     """The public op inside a CUDA graph: replays give the reference every time (split-K counters reset)."""
     case = dict(spec=PRESETS["seed-article"], m=4, n=1024, k=4096, dtype=torch.float16, scale_dtype=torch.float16,

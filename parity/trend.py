@@ -1,0 +1,166 @@
+"""The trend of a nightly gate: one JSON line per run, so a slow drift shows before it fails.
+
+Each line (schema ``parity-trend/1``) holds the run id and date, the model and prompt-set hashes,
+whether the run passed, and per tap the minimum atol that would have passed (``min_tolerance.atol``
+of report.json), the atol it was judged by, and whether it passed.
+
+:func:`drift` looks at the last ``window`` runs made on the same model and prompt set as the latest
+one (a change of either restarts the trend: the numbers are not comparable across it) and flags a
+tap whose minimum passing atol grew more than ``factor`` times from the first of those runs to the
+last, or rose in every one of them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "parity-trend/1"
+
+
+def row_of(report: dict, model_sha256: str | None = None) -> dict[str, Any]:
+    """The trend line of one report.json (schema parity-report/1)."""
+    if report.get("schema") != "parity-report/1":
+        raise ValueError(f"report schema {report.get('schema')!r}, expected 'parity-report/1'")
+    run = report["run"]
+    taps = {}
+    for t in report["taps"]:
+        mt = t.get("min_tolerance") or {}
+        taps[t["name"]] = {"min_atol": mt.get("atol"), "atol": (t.get("tolerance") or {}).get("atol"),
+                           "passed": bool(t["passed"])}
+    return {"schema": SCHEMA, "run": run.get("id"), "date": run.get("started") or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "model": run.get("model"), "model_sha256": model_sha256 or run.get("model_sha256"),
+            "prompts_sha256": run.get("prompts_sha256"), "format": run.get("format"), "level": run.get("level"),
+            "versions": run.get("versions", {}), "passed": bool(report.get("passed")), "taps": taps}
+
+
+def append(trend_file: str | Path, report: dict, model_sha256: str | None = None) -> dict[str, Any]:
+    """Append the line of ``report`` to ``trend_file`` (created if absent) and return it."""
+    path = Path(trend_file)
+    row = row_of(report, model_sha256)
+    line = json.dumps(row, separators=(",", ":"), allow_nan=False) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size:
+            with open(path, "rb") as f:  # a line cut short by a killed writer must not swallow this one
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    line = "\n" + line
+        os.write(fd, line.encode())  # one write of an O_APPEND descriptor: lines never interleave
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return row
+
+
+def load(trend_file: str | Path) -> list[dict[str, Any]]:
+    """Every line of the trend file, oldest first."""
+    path = Path(trend_file)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no trend file") from None
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not a JSON line ({exc}); fix or delete that line") from None
+        if not isinstance(row, dict) or row.get("schema") != SCHEMA or not isinstance(row.get("taps"), dict):
+            raise ValueError(f"{path}:{n}: not a {SCHEMA} line (schema {row.get('schema') if isinstance(row, dict) else None!r})")
+        rows.append(row)
+    return rows
+
+
+def _same_inputs(rows: list[dict]) -> list[dict]:
+    """The latest run's contiguous stretch of rows with its model and prompt set."""
+    if not rows:
+        return []
+    k = (rows[-1].get("model_sha256"), rows[-1].get("prompts_sha256"))
+    i = len(rows)
+    while i > 0 and (rows[i - 1].get("model_sha256"), rows[i - 1].get("prompts_sha256")) == k:
+        i -= 1
+    return rows[i:]
+
+
+def drift(rows: list[dict], tap: str | None = None, window: int = 7, factor: float = 2.0) -> list[dict[str, Any]]:
+    """Taps (matching glob ``tap``) whose minimum passing atol grew more than ``factor`` times over the
+    last ``window`` comparable runs, or rose in each of them (only once ``window`` >= 3 runs exist)."""
+    if window < 2:
+        raise ValueError(f"window must be at least 2 runs, got {window}")
+    recent = _same_inputs(rows)[-window:]
+    if not recent:
+        return []
+    out = []
+    for name, last in recent[-1]["taps"].items():
+        if tap and not fnmatch.fnmatchcase(name, tap):
+            continue
+        series = [(r, r["taps"][name]["min_atol"]) for r in recent
+                  if name in r["taps"] and r["taps"][name].get("min_atol") is not None]
+        if len(series) < 2:
+            continue
+        atol = last.get("atol") or 0.0
+        # below 1 % of the tolerance an error is rounding noise: growth from 0 to 1e-9 is not drift
+        floor = max(0.01 * atol, 1e-30)
+        vals = [max(v, floor) for _, v in series]
+        ratio = vals[-1] / vals[0]
+        monotonic = len(vals) >= max(window, 3) and all(b > a for a, b in zip(vals, vals[1:]))
+        if ratio <= factor and not monotonic:
+            continue
+        (r0, v0), (r1, v1) = series[0], series[-1]
+        kind = "growth" if ratio > factor else "monotonic"
+        how = (f"grew {ratio:.1f}x over {len(series)} runs" if kind == "growth"
+               else f"rose in each of the last {len(series)} runs ({ratio:.2f}x)")
+        headroom = f", now {v1 / atol:.0%} of its atol {atol:g}" if atol else ""
+        out.append({"tap": name, "kind": kind, "ratio": ratio, "runs": len(series), "first": v0, "last": v1,
+                    "from_run": r0.get("run"), "to_run": r1.get("run"), "from_date": r0.get("date"),
+                    "to_date": r1.get("date"), "atol": atol or None, "passed": bool(last.get("passed")),
+                    "message": f"{name}: minimum passing atol {how}: {v0:.3g} ({r0.get('run')}) -> "
+                               f"{v1:.3g} ({r1.get('run')}){headroom}"})
+    return out
+
+
+def table(rows: list[dict], tap: str | None = None, last: int = 10) -> str:
+    """Taps down, the last ``last`` runs across: each cell the minimum passing atol, ``!`` where failed."""
+    if not rows:
+        return "(no runs)\n"
+    recent = rows[-last:]
+    names = [n for n in recent[-1]["taps"] if not tap or fnmatch.fnmatchcase(n, tap)]
+    head = ["tap"] + [_short_date(r) for r in recent] + ["atol"]
+    body = []
+    for name in names:
+        cells = [name]
+        for r in recent:
+            t = r["taps"].get(name)
+            if t is None or t.get("min_atol") is None:
+                cells.append("—" if t is None else ("n/a!" if not t.get("passed") else "n/a"))
+            else:
+                cells.append(f"{t['min_atol']:.2e}" + ("" if t.get("passed") else "!"))
+        atol = recent[-1]["taps"][name].get("atol")
+        cells.append("—" if atol is None else f"{atol:g}")
+        body.append(cells)
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+
+    def fmt(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(c) for c in body]
+    if recent[-1].get("model_sha256") != recent[0].get("model_sha256") or \
+            recent[-1].get("prompts_sha256") != recent[0].get("prompts_sha256"):
+        lines.append("(the model or prompt set changed within these runs; drift is judged since the change)")
+    return "\n".join(lines) + "\n"
+
+
+def _short_date(row: dict) -> str:
+    """``MM-DD HH:MM`` of an ISO date (several runs a day stay apart), else the run id."""
+    d = str(row.get("date") or "")
+    if len(d) >= 16 and d[4] == "-" and d[10] == "T":
+        return f"{d[5:10]} {d[11:16]}"
+    return str(row.get("run") or "?")
