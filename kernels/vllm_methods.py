@@ -168,8 +168,11 @@ def int8x_backend(device: torch.device) -> str:
     int8x has a torch and a Triton implementation only: ``cuda`` (the CUDA ternary kernels) selects
     int8x's GPU kernel, Triton, and ``auto`` int8x's own default for the device.
     """
-    chosen = os.environ.get(int8x_ops.ENV_BACKEND) or None
-    chosen = {"cuda": "triton", "auto": None}.get(chosen, chosen)
+    chosen = os.environ.get(int8x_ops.ENV_BACKEND) or "auto"
+    if chosen == "auto":
+        chosen = "triton" if device.type == "cuda" else "torch"
+    elif chosen == "cuda":
+        chosen = "triton"
     return int8x_ops.resolve_backend(chosen, device)
 
 

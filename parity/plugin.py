@@ -47,6 +47,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="keep snapshots under this many GB")
     g.addoption("--parity-tp", type=int, default=1, metavar="N",
                 help="tensor-parallel size of the vLLM candidate (ranks' taps are gathered)")
+    g.addoption("--parity-calibrate", default=None, metavar="FILE",
+                help="measure each tap's noise floor (reference fp32 vs fp64, candidate vs itself), write the "
+                     "tolerances with headroom to FILE (TOML, for --parity-tolerances) and use them")
+    g.addoption("--parity-headroom", type=float, default=10.0, metavar="X",
+                help="calibrated atol = X times the measured noise floor (default 10)")
     g.addoption("--parity-compiled", action="store_true",
                 help="run the engine compiled (not eager): module hooks do not fire, so only the model level "
                      "runs, on vLLM's own outputs (greedy tokens, prompt log-probs)")
@@ -71,6 +76,7 @@ def _options(config: pytest.Config) -> Options:
         snapshot_dir=opt("--parity-snapshot-dir"), keep=opt("--parity-keep"),
         snapshot_max_gb=opt("--parity-snapshot-max-gb"), greedy_tokens=opt("--parity-greedy-tokens"),
         tensor_parallel_size=opt("--parity-tp"), compiled=opt("--parity-compiled"),
+        calibrate=opt("--parity-calibrate"), headroom=opt("--parity-headroom"),
         root=str(config.rootpath), command=["pytest", *config.invocation_params.args],
     )
 

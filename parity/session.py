@@ -47,6 +47,8 @@ class Options:
     snapshot_max_gb: float = 2.0
     tensor_parallel_size: int = 1
     compiled: bool = False  # the engine's compiled graph: no module hooks, model-level checks only
+    calibrate: str | None = None  # write measured tolerances to this TOML file and use them
+    headroom: float = 10.0
     greedy_tokens: int = 8
     top_k: int = 5
     command: list[str] = field(default_factory=lambda: list(sys.argv))
@@ -127,19 +129,38 @@ class ParitySession:
 
     # -- the two sides --------------------------------------------------------------------------
 
-    def reference_dump(self) -> DumpReader:
+    def reference_dump(self, dtype: torch.dtype = torch.float32) -> DumpReader:
         from parity import reference_side
         from references.model import build_reference_model
 
         t0 = time.perf_counter()
         # Decoded fp32 weights of a large model would dominate memory: decode them per forward instead.
         decoded = 4 * sum(n * k for n, k in self.ckpt.linear_shapes().values())
-        model = build_reference_model(self.ckpt, cache=decoded <= CACHE_DECODED_BYTES)
-        dump = reference_side.capture(model, self.prompts, self.dump_root() / "reference", self.meta("reference"),
+        model = build_reference_model(self.ckpt, dtype=dtype, cache=decoded <= CACHE_DECODED_BYTES)
+        name = "reference" if dtype == torch.float32 else f"reference-{str(dtype).removeprefix('torch.')}"
+        dump = reference_side.capture(model, self.prompts, self.dump_root() / name,
+                                      {**self.meta("reference"), "dtype": str(dtype).removeprefix("torch.")},
                                       wanted=self.wanted)
-        self.timings["reference_s"] = time.perf_counter() - t0
-        self._reference_model = model
+        self.timings[f"{name}_s"] = time.perf_counter() - t0
+        if dtype == torch.float32:
+            self._reference_model = model
         return dump
+
+    def calibrate(self) -> None:
+        """Measure every tap's noise floor and make the result this run's tolerance table."""
+        from parity import calibrate
+
+        t0 = time.perf_counter()
+        ref64 = self.reference_dump(torch.float64)
+        again = self.candidate_dump(repeat=True)
+        table, notes = calibrate.calibrate(self.ckpt, self.capture_taps(), self.reference, ref64, self.candidate,
+                                           again, headroom=self.opts.headroom,
+                                           max_growth=self.opts.tolerances.max_growth)
+        calibrate.write(table, notes, self.opts.calibrate, self.opts.headroom)
+        self.opts.tolerances = table
+        self.extras["calibration"] = {"passed": True, "file": str(self.opts.calibrate),
+                                      "capped": sorted(t for t, n in notes.items() if n["capped"])}
+        self.timings["calibrate_s"] = time.perf_counter() - t0
 
     def llm(self):
         if self._llm is None:
@@ -154,9 +175,9 @@ class ParitySession:
             self.timings["engine_start_s"] = time.perf_counter() - t0
         return self._llm
 
-    def candidate_dump(self, isolated: bool = False) -> DumpReader:
+    def candidate_dump(self, isolated: bool = False, repeat: bool = False) -> DumpReader:
         t0 = time.perf_counter()
-        out = self.dump_root() / ("candidate-isolated" if isolated else "candidate")
+        out = self.dump_root() / ("candidate-isolated" if isolated else "candidate-repeat" if repeat else "candidate")
         feed = self.reference if isolated else None
         meta = {**self.meta("candidate"), "mode": "isolated" if isolated else "propagated"}
         if self.opts.candidate == "vllm":
@@ -170,7 +191,7 @@ class ParitySession:
                                           isolate_from=feed)
         else:
             raise ValueError(f"unknown candidate {self.opts.candidate!r}; choose one of {CANDIDATES}")
-        self.timings["candidate_isolated_s" if isolated else "candidate_s"] = time.perf_counter() - t0
+        self.timings[out.name.replace("-", "_") + "_s"] = time.perf_counter() - t0
         return dump
 
     def _compare(self, cand: DumpReader) -> list[TapResult]:
@@ -186,6 +207,8 @@ class ParitySession:
                     self.results = {}
                     return self.results
                 self.reference, self.candidate = self.reference_dump(), self.candidate_dump()
+                if self.opts.calibrate:
+                    self.calibrate()
                 t0 = time.perf_counter()
                 results = self._compare(self.candidate)
                 if self.opts.mode == "isolated":

@@ -171,3 +171,23 @@ def test_isolated_mode_marks_only_the_faulty_layer(pytester, monkeypatch):
     # level waits for the op level (funnel)
     assert (outcomes["failed"], outcomes["skipped"]) == (6, 4), outcomes
     assert by["layers.1.mlp.down"]["role"] == "inherited"
+
+
+def test_calibrated_tolerances_are_written_and_consumed(pytester):
+    tol = pytester.path / "calibrated.toml"
+    result = _run(pytester, "--parity-level=block", f"--parity-calibrate={tol}")
+    result.assert_outcomes(passed=49)
+    import tomllib
+
+    table = tomllib.loads(tol.read_text())
+    assert set(table["tolerances"]) >= {"embed", "layers.3.output", "layers.0.input"}
+    atol = table["tolerances"]["layers.2.mlp.down"]["atol"]
+    assert 0 < atol < 1e-2
+    rep = _report(pytester)
+    assert rep["run"]["extras"]["calibration"]["file"] == str(tol)
+    (pytester.path / "report" / "report.json").unlink()
+    result = _run(pytester, "--parity-level=block", f"--parity-tolerances={tol}")
+    result.assert_outcomes(passed=49)
+    by = {t["name"]: t for t in _report(pytester)["taps"]}
+    assert by["layers.2.mlp.down"]["tolerance"]["atol"] == atol
+    assert by["layers.2.mlp.down"]["min_tolerance"]["atol"] <= atol
