@@ -6,6 +6,7 @@ compiles anything and works on machines without nvcc or a GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import threading
@@ -18,8 +19,9 @@ _LOCK = threading.Lock()
 _EXT = None
 
 
+@functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """A CUDA device and a CUDA compiler are present (the extension can be built)."""
+    """A CUDA device and a CUDA compiler are present (the extension can be built); asked once."""
     if not torch.cuda.is_available():
         return False
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")

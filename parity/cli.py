@@ -121,7 +121,9 @@ def _tap_rows(taps: list[dict]) -> list[list[str]]:
     for t in taps:
         m = t.get("metrics") or {}
         mt = t.get("min_tolerance") or {}
-        rows.append([t["name"], _g(m.get("max_abs")), _g(m.get("cosine"), ".6f"), _g(m.get("sqnr_db"), ".1f"),
+        # report JSON holds an infinite SQNR (identical tensors) as null
+        sqnr = "inf" if m.get("sqnr_db") is None and m.get("max_abs") == 0 else _g(m.get("sqnr_db"), ".1f")
+        rows.append([t["name"], _g(m.get("max_abs")), _g(m.get("cosine"), ".6f"), sqnr,
                      _g(t["tolerance"]["atol"]), _g(mt.get("atol")), _result_cell(t)])
     return rows
 
@@ -158,9 +160,9 @@ def _diff(args: argparse.Namespace) -> int:
     if only_a or only_b:
         warnings.append(f"taps in one dump only, not compared: {len(only_a)} only in {a.root} {only_a[:3]}, "
                         f"{len(only_b)} only in {b.root} {only_b[:3]}")
-    # layer inputs are compared too (they decide source against inherited) but only shown when asked for
+    # layer inputs are compared (they decide source against inherited) but shown only when a glob asks
     shown = selected if args.taps else [t for t in selected if not t.endswith(".input")]
-    compared = _forward_order(list(dict.fromkeys(selected + [t for t in common if t.endswith(".input")])))
+    compared = _forward_order(selected)
     table = load(args.tolerances, Path.cwd() / "pyproject.toml")
     try:
         results = compare_dumps(a, b, compared, table)
@@ -270,8 +272,8 @@ def _snapshots(args: argparse.Namespace) -> int:
             print(f"  {k:<15}{meta.get(k, '—')}")
         print(f"\nfailing taps ({len(fails)}):")
         print(_columns(TAP_HEAD, _tap_rows(fails)))
-        for t in fails:
-            if t.get("message"):
+        for t in fails:  # the worst element of each source; inherited taps only echo it
+            if t.get("message") and t.get("role") != "inherited":
                 print(f"  {t['message']}")
         print(f"\ntensors: {d / 'reference.safetensors'}, {d / 'candidate.safetensors'} "
               f"({_count_tensors(d / 'reference.safetensors')} each, keys TAP@prompt)")

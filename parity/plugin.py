@@ -55,6 +55,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--parity-compiled", action="store_true",
                 help="run the engine compiled (not eager): module hooks do not fire, so only the model level "
                      "runs, on vLLM's own outputs (greedy tokens, prompt log-probs)")
+    g.addoption("--parity-pdb", action="store_true",
+                help="stop in the debugger at the first source of a divergence, with `ref`, `cand`, `diff` "
+                     "and `hints` loaded")
     g.addoption("--parity-greedy-tokens", type=int, default=8, metavar="N",
                 help="tokens of greedy continuation compared at the model level")
 
@@ -129,6 +132,9 @@ class ParityItem(pytest.Item):
             self.user_properties.append(("min_atol", r.metrics.min_atol))
         self.user_properties.append(("atol", r.tolerance.atol))
         if not r.passed:
+            if self.config.getoption("--parity-pdb") and r.role == "source" and not session.debugged:
+                session.debugged = True
+                _debug_source(self.config, session, r)
             raise TapFailure(r.message)
 
     def repr_failure(self, excinfo, style=None):
@@ -138,6 +144,20 @@ class ParityItem(pytest.Item):
 
     def reportinfo(self):
         return self.path, None, f"parity {self.check}"
+
+
+def _debug_source(config: pytest.Config, session: ParitySession, result) -> None:
+    """The first source of a divergence, both tensors (all prompts' rows) and their diff in reach."""
+    ref, cand = session.stacked_pair(result.name)
+    diff = cand - ref
+    hints = [h for h in session.hints if h["tap"] == result.name]
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(f"\nparity: first source {result.name}: {result.message}\n"
+              f"  ref, cand: {tuple(ref.shape)} (rows = prompts' positions in order), diff = cand - ref; "
+              f"hints: {hints or 'none'}\n  worst element {result.metrics.worst_index} (prompt, position, feature)")
+    breakpoint()  # pytest suspends output capture for its debugger
+    del ref, cand, diff, hints
 
 
 def _isolated_view(r):

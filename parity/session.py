@@ -73,6 +73,8 @@ class ParitySession:
         self.timings: dict[str, float] = {}
         self.report_dir: Path | None = None
         self.snapshot: Path | None = None
+        self.hints: list[dict] = []
+        self.debugged = False
 
     # -- what runs ------------------------------------------------------------------------------
 
@@ -336,7 +338,7 @@ class ParitySession:
         failing = [r for r in results if not r.passed and r.metrics is not None]
         if failing:
             f = first or failing[0]
-            heat = report_mod.heatmap_of(f.name, *self._stacked_pair(f.name))
+            heat = report_mod.heatmap_of(f.name, *self.stacked_pair(f.name))
         root = Path(self.opts.report_dir) if self.opts.report_dir else Path(self.opts.root) / "reports" / self.id
         self.timings["report_s"] = time.perf_counter() - t0  # the report's own write is not in it
         self.report_dir = report_mod.write(root, rep, heat)
@@ -344,7 +346,7 @@ class ParitySession:
             self.snapshot = self.write_snapshot(failing)
         return self.report_dir
 
-    def _stacked_pair(self, tap: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def stacked_pair(self, tap: str) -> tuple[torch.Tensor, torch.Tensor]:
         ps = self.reference.prompts(tap)
         return (torch.cat([self.reference.get(tap, p) for p in ps]), torch.cat([self.candidate.get(tap, p) for p in ps]))
 

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -15,11 +16,14 @@ pytest_plugins = ["pytester"]
 SMALL = Dims(hidden=128, layers=3, heads=2, kv_heads=1, intermediate=256, vocab=1024)
 
 
-def _run(pytester, *args):
+def _run(pytester, *args, stdin=None):
     # option=value: pytest picks its rootdir before plugin options are known, and would take a
     # separate value for a path to collect
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs", f"--parity-report={pytester.path / 'report'}",
-                                         f"--parity-snapshot-dir={pytester.path / 'snap'}", *args, timeout=600)
+    result = pytester.run(sys.executable, "-m", "pytest", f"--basetemp={pytester.path / 'tmp'}",
+                          "-p", "no:cacheprovider", "-rs", f"--parity-report={pytester.path / 'report'}",
+                          f"--parity-snapshot-dir={pytester.path / 'snap'}", *args, timeout=600,
+                          **({"stdin": stdin} if stdin is not None else {}))
+    return result
 
 
 def _report(pytester):
@@ -130,7 +134,10 @@ def pytest_configure(config):
 def test_planted_fault_fails_at_exactly_its_tap(pytester, monkeypatch, fault, module, tap):
     pytester.makeconftest(FAULTY_PLUGIN)
     monkeypatch.setenv("PARITY_TEST_FAULT", f"{fault}:{module}")
-    result = _run(pytester, "--parity-level=model", "-v")
+    # --parity-pdb stops at the source with the tensors loaded; the debugger reads these commands
+    commands = b"p ('DIFF', tuple(diff.shape), float(diff.abs().max()) > 0.1)\nc\n"
+    result = _run(pytester, "--parity-level=model", "-v", "-rfs", "--parity-pdb", stdin=commands)
+    result.stdout.fnmatch_lines([f"parity: first source {tap}: *", "*('DIFF', (256, *), True)*"])
     failing = f"parity::test_parity[op-{tap}]"
     pattern = failing.replace("[", "?").replace("]", "?")  # fnmatch reads brackets as a character set
     rep = _report(pytester)
@@ -139,7 +146,7 @@ def test_planted_fault_fails_at_exactly_its_tap(pytester, monkeypatch, fault, mo
     assert all(by[t]["passed"] for t in taps[: taps.index(tap)]), "taps before the fault must pass"
     assert not by[tap]["passed"] and by[tap]["role"] == "source"
     assert rep["first_divergence"] == {"name": tap, "layer": int(tap.split(".")[1])}
-    result.stdout.fnmatch_lines([f"*{pattern} FAILED*"])
+    result.stdout.fnmatch_lines([f"FAILED {pattern}*"])
     # the funnel: block and model items are skipped, naming the first failure below them
     result.stdout.fnmatch_lines([f"SKIPPED * funnel: level 'op' failed first at {pattern}; no block-level*",
                                  f"SKIPPED * funnel: level 'op' failed first at {pattern}; no model-level*"])

@@ -257,7 +257,7 @@ HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthChe
 # repack: every variant decodes to the reference weight
 
 
-@settings(max_examples=150, **HYP)
+@settings(max_examples=200, **HYP)
 @given(cases(max_m=1, max_n=40, max_k=300))
 def test_repack_decodes_like_reference(case):
     built = build(case)
@@ -325,21 +325,21 @@ def test_repack_rejects_bad_inputs():
 # kernels on the CPU: the torch op and Triton through the interpreter
 
 
-@settings(max_examples=60, **HYP)
+@settings(max_examples=100, **HYP)
 @given(cases(max_m=24, max_n=48, max_k=300))
 def test_torch_op_matches_reference(case):
     run_case(case, "torch", "cpu")
 
 
 @pytest.mark.skipif(CUDA, reason="GPU runs the Triton kernels in test_gpu_kernels_match_reference")
-@settings(max_examples=20, **HYP)
+@settings(max_examples=40, **HYP)
 @given(cases(max_m=3, max_n=40, max_k=160))
 def test_triton_gemv_interpreted_matches_reference(case):
     run_case(case, "triton_gemv", "cpu")
 
 
 @pytest.mark.skipif(CUDA, reason="GPU runs the Triton kernels in test_gpu_kernels_match_reference")
-@settings(max_examples=25, **HYP)
+@settings(max_examples=60, **HYP)
 @given(cases(max_m=40, max_n=48, max_k=160))
 def test_triton_mm_interpreted_matches_reference(case):
     run_case(case, "triton_mm", "cpu")
