@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from parity.taps import TP_GATHER
 from references import ternary
 from references.formats import Int8xSpec, TernarySpec
 from references.linear import ReferenceLinear, activation_fake_quant
@@ -47,7 +48,8 @@ SLICE_SAMPLES = 64
 DRIFT_MIN_GROWTH = 4.0  # last / first error of a drift
 DRIFT_RISING = 0.7  # share of layer-to-layer steps that must not fall
 JUMP_MIN = 2.5  # a step of at least this factor that also dwarfs the typical step is a jump
-ROW_PARALLEL = ("attn.o", "mlp.down")
+ROW_PARALLEL = ("attn.o", "mlp.down")  # outputs all-reduced over ranks' partial sums
+COLUMN_PARALLEL = (*TP_GATHER, "logits")  # outputs gathered along the features, one block per rank
 _SLICE_ORDER = ("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -117,7 +119,7 @@ def _g(v: float) -> str:
 
 
 def _pct(part: int, whole: int) -> str:
-    return f"{part} of {whole} ({100.0 * part / max(whole, 1):.0f} %)"
+    return f"{part} of {whole} ({math.floor(100.0 * part / max(whole, 1))} %)"  # 999 of 1000 is not 100 %
 
 
 def _suffix(tap: str) -> str:
@@ -182,6 +184,8 @@ class _Projection:
             raise ValueError(f"{tap}: {ref.shape[1]} features, but {self.module} has out_features {self.n}")
         self.lin = lin
         self._weight: torch.Tensor | None = None
+        self._sample_idx: torch.Tensor | None = None
+        self._sample_values: dict = {}
         self.x = self.post = None
         if ctx.ref_input is not None:
             x = ctx.ref_input.detach().to(torch.float32).reshape(-1, ctx.ref_input.shape[-1])
@@ -232,6 +236,19 @@ class _Projection:
         shift = (2 * field if spec.bit_order == "lsb" else 6 - 2 * field).to(torch.uint8)
         return (self.packed[byte] >> shift[:, None]) & 3
 
+    def _values(self, idx: torch.Tensor, perm: torch.Tensor | None, table: torch.Tensor) -> torch.Tensor:
+        """Decoded values of some channels; the screening sample's are kept, every hypothesis reads them."""
+        key = (id(perm), id(table))
+        if idx is self._sample_idx and key in self._sample_values:
+            return self._sample_values[key]
+        if perm is not None and self.spec.pack_axis == "input":
+            v = self._values(idx, None, table)[:, perm]
+        else:
+            v = table[self._codes(idx, perm).long()]
+        if idx is self._sample_idx:
+            self._sample_values[key] = v
+        return v
+
     def _scale_rows(self, idx: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         g = self.spec.scale_granularity
         if g == "tensor":
@@ -246,7 +263,7 @@ class _Projection:
         scale = self.scale if scale is None else scale
 
         def rows(idx: torch.Tensor) -> torch.Tensor:
-            v = table[self._codes(idx, perm).long()]
+            v = self._values(idx, perm, table)
             if mode is None:
                 return v
             s = scale_fn(idx) if scale_fn is not None else self._scale_rows(idx, scale)
@@ -328,9 +345,10 @@ class _Projection:
             out.append(_Hyp("scale_missing", "the weight decoded without its group scales", missing_fix,
                             rows=self._rows_fn(mode=None)))
             inv = "divide" if mode == "multiply" else "multiply"
-            out.append(_Hyp("scale_inverted", f"the group scales applied as {'divisors' if inv == 'divide' else 'factors'} "
-                            f"where scale_mode '{mode}' {'multiplies' if mode == 'multiply' else 'divides'}",
-                            inv_fix, rows=self._rows_fn(mode=inv)))
+            as_what = "divisors where scale_mode 'multiply' multiplies" if inv == "divide" else \
+                "factors where scale_mode 'divide' divides"
+            out.append(_Hyp("scale_inverted", f"the group scales applied as {as_what}", inv_fix,
+                            rows=self._rows_fn(mode=inv)))
             for name, r in rounded:
                 out.append(_Hyp("scale_dtype", f"the weight decoded with its group scales rounded to {name}",
                                 dtype_fix.format(name), rows=self._rows_fn(scale=r)))
@@ -402,7 +420,8 @@ class _Projection:
         if not used:
             return []
         true = [spec.code_map[c] for c in used]
-        maps = [m for m in itertools.product((-1, 0, 1), repeat=len(used)) if list(m) != true]
+        # an all-zero table is no decoding (an output never written would match it)
+        maps = [m for m in itertools.product((-1, 0, 1), repeat=len(used)) if list(m) != true and any(m)]
         codes = self._codes(idx)
         s = self._scale_rows(idx, self.scale)
         parts = []
@@ -413,7 +432,7 @@ class _Projection:
         parts = torch.stack(parts)  # (codes, rows, channels)
         mats = torch.tensor(maps, dtype=torch.float64)
         preds = torch.einsum("mu,urc->mrc", mats, parts)
-        c, r = self.cand[rsel][:, idx], self.ref[rsel][:, idx]
+        c, r = self._sample_c, self._sample_r
         dev = (c - r).norm()
         if not float(dev) > 0:
             return []
@@ -434,8 +453,9 @@ class _Projection:
         flipped = all(a == -t for _, t, a in zip(used, true, alt))
         head = "every nonzero weight's sign flipped: " if flipped else ""
         fmt = ", ".join(f"{c}→{_signed(v)}" for c, v in enumerate(spec.code_map))
+        listed = ", ".join("null" if v is None else str(v) for v in spec.code_map)
         return _Hyp("code_table", f"the weight decoded with another code table: {head}{said}",
-                    f"decode the codes as code_map {list(spec.code_map)} says ({fmt}) in the lookup table "
+                    f"decode the codes as code_map [{listed}] says ({fmt}) in the lookup table "
                     f"or sign handling of {self.module}",
                     rows=self._rows_fn(lut=torch.tensor(table, dtype=torch.float32)))
 
@@ -463,11 +483,12 @@ class _Projection:
         even = channels[_sample(len(channels), SCREEN_CHANNELS // 2)]
         return torch.unique(torch.cat([top, even])), rsel
 
-    def _screen_share(self, pred: torch.Tensor, idx: torch.Tensor, rsel: torch.Tensor) -> float:
+    def _screen_share(self, pred: torch.Tensor) -> float:
+        """Residual / deviation on the screening sample (its channels with a finite prediction)."""
         valid = torch.isfinite(pred).all(0)
-        if int(valid.sum()) < 0.5 * len(idx):
+        if int(valid.sum()) < 0.5 * pred.shape[1]:
             return math.inf
-        c, r = self.cand[rsel][:, idx][:, valid], self.ref[rsel][:, idx][:, valid]
+        c, r = self._sample_c[:, valid], self._sample_r[:, valid]
         dev = float((c - r).norm())
         return float((c - pred[:, valid]).norm()) / dev if dev > 0 else math.inf
 
@@ -496,7 +517,7 @@ class _Projection:
         if self.x is None:
             return False
         w = self.weight()[idx]
-        r = self.ref[rsel][:, idx]
+        r = self.ref[rsel][:, idx]  # (also called before a screening sample exists)
         if float((self._product(rsel, w) - r).norm()) > RECONSTRUCT * float(r.norm()):
             return False
         if self.ternary:  # this module's own decoding must agree with the reference's
@@ -510,6 +531,8 @@ class _Projection:
         if not bool((self.dev_ch[channels] > self.noise * self.size_ch[channels]).any()):
             return []
         idx, rsel = self._screen_sample(channels)
+        self._sample_idx, self._sample_values = idx, {}
+        self._sample_c, self._sample_r = self.cand[rsel][:, idx], self.ref[rsel][:, idx]
         hyps = self._scale_hyps()
         if self._reconstructs(idx, rsel):
             if self.ternary:
@@ -519,7 +542,7 @@ class _Projection:
             hyps = [h for h in hyps if h.factor is not None]
         survivors = []
         for h in hyps:
-            share = self._screen_share(self._predict(h, idx, rsel), idx, rsel)
+            share = self._screen_share(self._predict(h, idx, rsel))
             if share <= SCREEN:
                 survivors.append(h)
         rows_all = torch.arange(self.ref.shape[0])
@@ -599,7 +622,10 @@ def _column_shard_hints(tap: str, ref: torch.Tensor, cand: torch.Tensor, tp: int
     worst = float(rel.max())
     if not worst > noise:
         return [], []
-    bad = rel > max(noise, 0.01 * worst)
+    if math.isfinite(worst):
+        bad = rel > max(noise, 0.01 * worst)
+    else:  # non-finite values: the other shards are clean only when near the reference
+        bad = ~torch.isfinite(rel) | (rel > max(noise, NOISE_CAP))
     nbad = int(bad.sum())
     if nbad == 0 or nbad == tp:
         return [], []
@@ -695,9 +721,12 @@ def _slices_hints(tap: str, ref: torch.Tensor, cand: torch.Tensor,
         segments += [(a, b, off) for a, b in _runs(ok) if any(a <= j <= b for j in hit)]
     if not segments:
         return []
-    parts, covered = [], 0
+    parts, covered, worst = [], 0, 0.0
     for a, b, off in sorted(segments):
         covered += b - a + 1
+        src = torch.arange(a, b + 1) + own + off
+        err = (torch.nan_to_num(cand[:, a:b + 1], 0.0, 0.0, 0.0) - fused[:, src]).norm(dim=0) / f_norm[src]
+        worst = max(worst, float(err.max()))
         # name the source per reference tap: a run may cross from one slice into the next
         for nm in names:
             lo, hi = starts[nm], starts[nm] + refs[nm].shape[1] - 1
@@ -711,7 +740,7 @@ def _slices_hints(tap: str, ref: torch.Tensor, cand: torch.Tensor,
     return [Hint(
         tap, "slices_swapped",
         f"{tap}: {covered} of {w} candidate columns are other columns of the fused reference "
-        f"{fused_name} (relative error ≤ {MATCH_REL:g} each): " + "; ".join(parts),
+        f"{fused_name} (relative error at most {_g(worst)} per column): " + "; ".join(parts),
         f"check the order and sizes of the slices of the fused {fused_name} in the weight loader and in "
         f"the split of its output (sizes {sizes})")]
 
@@ -744,7 +773,8 @@ def diagnose_tap(tap: str, ref: torch.Tensor, cand: torch.Tensor, linear: Linear
     if tp_size > 1:
         if proj is not None and _suffix(tap) in ROW_PARALLEL:
             hints += proj.partial_sum_hints(tp_size)
-        shard_hints, shards = _column_shard_hints(tap, r, c, tp_size, noise)
+        shard_hints, shards = _column_shard_hints(tap, r, c, tp_size, noise) \
+            if _suffix(tap) in COLUMN_PARALLEL else ([], [])
         hints += shard_hints
         if proj is not None and not any(h.kind not in ("tp_shard", "slices_swapped") for h in hints):
             for rank, cols in shards:  # why that rank is wrong, when a weight hypothesis says so

@@ -166,8 +166,12 @@ def _dtype_name(st: str) -> str:
     return _ST_DTYPES.get(st, st.lower())
 
 
-def write_golden(src: DumpReader, dest: Path, taps: Iterable[str] | None = None) -> Path:
+def write_golden(src: DumpReader, dest: Path, taps: Iterable[str] | None = None,
+                 extras: dict | None = None) -> Path:
     """Copy the reference dump ``src`` (all its taps, or only ``taps``) to ``dest`` and return it.
+
+    ``extras`` (JSON data, e.g. the reference's greedy continuation, which no tap holds) is kept in
+    the manifest under ``golden.extras``; :func:`extras_of` reads it back.
 
     Every source tensor is checked against its manifest sha256 first, so a corrupt dump never
     becomes a golden. The copy is built in a temporary sibling directory and renamed into place;
@@ -188,7 +192,8 @@ def write_golden(src: DumpReader, dest: Path, taps: Iterable[str] | None = None)
     tmp = dest.parent / f"{_TMP}{dest.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        meta["golden"] = {"written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "side": meta.get("side")}
+        meta["golden"] = {"written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                          "extras": extras or {}}
         w = DumpWriter(tmp, meta)
         for tap in names:
             tensors = {}
@@ -225,6 +230,11 @@ def unused_taps(golden: DumpReader, read: set[str]) -> list[str]:
 def read_taps(golden: DumpReader) -> set[str]:
     """The taps read so far through a :class:`GoldenReader` (empty for a plain DumpReader)."""
     return set(getattr(golden, "read", set()))
+
+
+def extras_of(golden: DumpReader) -> dict:
+    """The ``extras`` given to :func:`write_golden` ({} if none)."""
+    return dict(golden.manifest.get("golden", {}).get("extras") or {})
 
 
 def describe(golden: DumpReader) -> dict:

@@ -47,6 +47,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="keep snapshots under this many GB")
     g.addoption("--parity-tp", type=int, default=1, metavar="N",
                 help="tensor-parallel size of the vLLM candidate (ranks' taps are gathered)")
+    g.addoption("--parity-against", choices=("live", "golden"), default="live",
+                help="compare with the live fp32 reference, or with the golden dumps in references/golden/"
+                     "<fixture>/ (the fp32 reference is never built; a missing golden is written and fails)")
+    g.addoption("--parity-update-golden", action="store_true",
+                help="regenerate the golden reference of the model from the live fp32 reference")
+    g.addoption("--parity-trend", default=None, metavar="FILE",
+                help="append the run's minimum passing tolerance per tap to FILE (JSON Lines; `parity trend`)")
     g.addoption("--parity-calibrate", default=None, metavar="FILE",
                 help="measure each tap's noise floor (reference fp32 vs fp64, candidate vs itself), write the "
                      "tolerances with headroom to FILE (TOML, for --parity-tolerances) and use them")
@@ -80,6 +87,7 @@ def _options(config: pytest.Config) -> Options:
         snapshot_max_gb=opt("--parity-snapshot-max-gb"), greedy_tokens=opt("--parity-greedy-tokens"),
         tensor_parallel_size=opt("--parity-tp"), compiled=opt("--parity-compiled"),
         calibrate=opt("--parity-calibrate"), headroom=opt("--parity-headroom"),
+        against=opt("--parity-against"), update_golden=opt("--parity-update-golden"), trend=opt("--parity-trend"),
         root=str(config.rootpath), command=["pytest", *config.invocation_params.args],
     )
 
@@ -274,6 +282,13 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
         terminalreporter.write_line(f"the parity run failed before comparing: {s.error!r}", red=True)
     elif state.failures:
         terminalreporter.write_line(f"first failure: {state.failures[0][0]} (level {state.failures[0][1]})")
+    if s is not None and s.golden is not None:
+        unused = s.unused_golden()
+        if unused:
+            terminalreporter.write_line(f"unused golden taps (no comparison read them): {unused[:10]}"
+                                        f"{' …' if len(unused) > 10 else ''}", yellow=True)
+    if s is not None and "golden_written" in s.extras:
+        terminalreporter.write_line(f"golden reference written: {s.extras['golden_written']['path']}", yellow=True)
     if s is not None and s.report_dir is not None:
         terminalreporter.write_line(f"report: {s.report_dir / 'report.html'}")
     if s is not None and s.snapshot is not None:

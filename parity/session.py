@@ -7,6 +7,7 @@ Everything is computed lazily and once: the pytest items of a session share one 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import sys
 import tempfile
 import time
@@ -48,6 +49,9 @@ class Options:
     tensor_parallel_size: int = 1
     compiled: bool = False  # the engine's compiled graph: no module hooks, model-level checks only
     calibrate: str | None = None  # write measured tolerances to this TOML file and use them
+    against: str = "live"  # or "golden": the committed reference dumps, no fp32 reference built
+    update_golden: bool = False
+    trend: str | None = None  # append each run's minimum passing tolerances to this JSON Lines file
     headroom: float = 10.0
     greedy_tokens: int = 8
     top_k: int = 5
@@ -75,6 +79,8 @@ class ParitySession:
         self.snapshot: Path | None = None
         self.hints: list[dict] = []
         self.debugged = False
+        self.golden = None
+        self.golden_error: Exception | None = None
 
     # -- what runs ------------------------------------------------------------------------------
 
@@ -87,6 +93,12 @@ class ParitySession:
         if self.opts.taps:
             taps = [t for t in taps if fnmatch.fnmatchcase(t, self.opts.taps)]
         return taps
+
+    @functools.cached_property
+    def model_sha256(self) -> str:
+        from fixtures.default_model import checkpoint_sha256
+
+        return checkpoint_sha256(self.model_dir)
 
     @property
     def format(self) -> str:
@@ -116,9 +128,7 @@ class ParitySession:
             versions["vllm"] = vllm.__version__
         except ImportError:
             pass
-        from fixtures.default_model import checkpoint_sha256
-
-        return {"side": side, "model": str(self.model_dir), "model_sha256": checkpoint_sha256(self.model_dir),
+        return {"side": side, "model": str(self.model_dir), "model_sha256": self.model_sha256,
                 "prompts_sha256": prompts_sha256(self.prompts), "format": self.format, "versions": versions}
 
     def capture_taps(self) -> list[str]:
@@ -204,11 +214,11 @@ class ParitySession:
         """Make both dumps and compare every tap (once); an error is kept and re-raised per item."""
         if self.results is None and self.error is None:
             try:
+                self.reference = self.acquire_reference()
                 if self.opts.compiled:
-                    self.reference = self.reference_dump()
                     self.results = {}
                     return self.results
-                self.reference, self.candidate = self.reference_dump(), self.candidate_dump()
+                self.candidate = self.candidate_dump()
                 if self.opts.calibrate:
                     self.calibrate()
                 t0 = time.perf_counter()
@@ -219,11 +229,69 @@ class ParitySession:
                 self.timings["compare_s"] = time.perf_counter() - t0
                 shown = set(self.taps())
                 self.results = {r.name: r for r in results if r.name in shown}
+                if self.golden_error is not None:
+                    raise self.golden_error
             except BaseException as exc:  # noqa: BLE001 - reported by every item that needs it
                 self.error = exc
         if self.error is not None:
             raise self.error
         return self.results
+
+    def golden_dir(self) -> Path:
+        from parity import golden
+
+        return golden.golden_path(Path(self.opts.root), golden.fixture_name(self.opts.model))
+
+    def acquire_reference(self) -> DumpReader:
+        """The live fp32 reference, or the golden one (written, and the run failed, when missing)."""
+        from parity import golden
+
+        if self.opts.against != "golden" and not self.opts.update_golden:
+            return self.reference_dump()
+        dest = self.golden_dir()
+        if self.opts.against == "golden" and not self.opts.update_golden:
+            try:
+                g = golden.load_golden(dest, self.model_sha256, prompts_sha256(self.prompts))
+                self.golden = g
+                return g
+            except golden.GoldenMissing as exc:
+                self.golden_error = golden.GoldenMissing(
+                    f"{exc}; it was written now from the live reference, and this run checked nothing "
+                    f"against it: commit {dest} and run again")
+        if self.opts.level != "model" or self.opts.taps or self.opts.compiled:
+            raise golden.GoldenError("a golden reference holds every tap: write it with --parity-level=model and "
+                                     "neither --parity-taps nor --parity-compiled")
+        live = self.reference_dump()
+        golden.write_golden(live, dest, extras={"greedy": self.reference_greedy()})
+        self.extras["golden_written"] = {"passed": self.golden_error is None, "path": str(dest)}
+        return live
+
+    def reference_greedy(self) -> list[list[int]]:
+        if self.golden is not None:
+            from parity import golden
+
+            tokens = golden.extras_of(self.golden).get("greedy")
+            if tokens is None or len(tokens) != len(self.prompts) or \
+                    any(len(t) < self.opts.greedy_tokens for t in tokens):
+                raise golden.GoldenError(f"{self.golden.root}: holds no greedy continuation of "
+                                         f"{self.opts.greedy_tokens} tokens; regenerate it with "
+                                         f"--parity-update-golden")
+            return [t[: self.opts.greedy_tokens] for t in tokens]
+        return [_greedy(self._reference_model, ids, self.opts.greedy_tokens) for ids in self.prompts]
+
+    def reference_logits(self, prompt: int) -> torch.Tensor:
+        if "logits" in self.reference.taps():
+            return self.reference.get("logits", prompt)
+        with torch.no_grad():
+            return self._reference_model(torch.tensor([self.prompts[prompt]]), use_cache=False).logits[0]
+
+    def unused_golden(self) -> list[str]:
+        """Golden taps this run never read (reported only when every tap was compared)."""
+        from parity import golden
+
+        if self.golden is None or self.opts.level != "model" or self.opts.taps or self.opts.compiled:
+            return []
+        return golden.unused_taps(self.golden, golden.read_taps(self.golden))
 
     # -- model-level extras ---------------------------------------------------------------------
 
@@ -235,10 +303,10 @@ class ParitySession:
 
             outs = generate(self.llm(), self.prompts, max_tokens=self.opts.greedy_tokens) \
                 if self.opts.candidate == "vllm" else None
-            model = self._reference_model
+            reference = self.reference_greedy()
             rows = []
             for p, ids in enumerate(self.prompts):
-                ref_tokens = _greedy(model, ids, self.opts.greedy_tokens)
+                ref_tokens = reference[p]
                 cand_tokens = list(outs[p].outputs[0].token_ids) if outs is not None else \
                     _greedy(self._kernel_model(), ids, self.opts.greedy_tokens)
                 first = next((i for i, (a, b) in enumerate(zip(ref_tokens, cand_tokens)) if a != b), None)
@@ -277,9 +345,7 @@ class ParitySession:
             outs = generate(self.llm(), self.prompts, max_tokens=1, prompt_logprobs=k)
             worst, misses, checked = 0.0, [], 0
             for p, ids in enumerate(self.prompts):
-                with torch.no_grad():
-                    ref = torch.log_softmax(self._reference_model(torch.tensor([ids]), use_cache=False)
-                                            .logits[0].double(), dim=-1)
+                ref = torch.log_softmax(self.reference_logits(p).double(), dim=-1)
                 for t, entry in enumerate(outs[p].prompt_logprobs or []):
                     if entry is None:
                         continue  # position 0 has nothing before it
@@ -329,7 +395,13 @@ class ParitySession:
         run = {"id": self.id, "started": self.started, "model": str(self.model_dir), "format": self.format,
                "level": self.opts.level, "mode": self.opts.mode, "prompts_sha256": prompts_sha256(self.prompts),
                "versions": self.reference.manifest.get("versions", {}), "candidate": self.opts.candidate,
-               "timings": self.timings, "extras": self.extras}
+               "timings": self.timings, "extras": self.extras, "against": self.opts.against,
+               "model_sha256": self.meta("reference")["model_sha256"]}
+        if self.golden is not None:
+            from parity import golden
+
+            run["golden"] = golden.describe(self.golden)
+            run["unused_golden_taps"] = self.unused_golden()
         rep = report_mod.build(run, [r.as_dict() for r in results],
                                {"name": first.name, "layer": first.layer} if first else None, hints=[])
         if self.extras:
@@ -342,6 +414,10 @@ class ParitySession:
         root = Path(self.opts.report_dir) if self.opts.report_dir else Path(self.opts.root) / "reports" / self.id
         self.timings["report_s"] = time.perf_counter() - t0  # the report's own write is not in it
         self.report_dir = report_mod.write(root, rep, heat)
+        if self.opts.trend:
+            from parity import trend
+
+            trend.append(self.opts.trend, rep, model_sha256=run["model_sha256"])
         if failing:
             self.snapshot = self.write_snapshot(failing)
         return self.report_dir

@@ -75,7 +75,8 @@ def load(trend_file: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{n}: not a JSON line ({exc}); fix or delete that line") from None
         if not isinstance(row, dict) or row.get("schema") != SCHEMA or not isinstance(row.get("taps"), dict):
-            raise ValueError(f"{path}:{n}: not a {SCHEMA} line (schema {row.get('schema') if isinstance(row, dict) else None!r})")
+            schema = row.get("schema") if isinstance(row, dict) else None
+            raise ValueError(f"{path}:{n}: not a {SCHEMA} line (schema {schema!r})")
         rows.append(row)
     return rows
 
@@ -93,7 +94,7 @@ def _same_inputs(rows: list[dict]) -> list[dict]:
 
 def drift(rows: list[dict], tap: str | None = None, window: int = 7, factor: float = 2.0) -> list[dict[str, Any]]:
     """Taps (matching glob ``tap``) whose minimum passing atol grew more than ``factor`` times over the
-    last ``window`` comparable runs, or rose in each of them (only once ``window`` >= 3 runs exist)."""
+    last ``window`` comparable runs, or rose in each of ``window`` (at least 3) consecutive runs."""
     if window < 2:
         raise ValueError(f"window must be at least 2 runs, got {window}")
     recent = _same_inputs(rows)[-window:]

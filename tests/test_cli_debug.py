@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from parity import report, snapshots
 from parity.cli import main

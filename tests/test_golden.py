@@ -69,6 +69,14 @@ def test_write_replaces_an_existing_golden_whole(tmp_path):
     assert sorted(p.name for p in dest.parent.iterdir()) == ["fx"]
 
 
+def test_extras_round_trip(tmp_path):
+    greedy = {"greedy": {"0": [5, 17, 17, 3], "1": [9, 9, 2, 0]}}
+    dest = golden.write_golden(_dump(tmp_path / "ref"), tmp_path / "g", extras=greedy)
+    assert golden.extras_of(golden.load_golden(dest, MODEL, PROMPTS)) == greedy
+    plain = golden.write_golden(_dump(tmp_path / "ref2"), tmp_path / "g2")
+    assert golden.extras_of(golden.load_golden(plain, MODEL, PROMPTS)) == {}
+
+
 def test_write_a_subset_of_taps(tmp_path):
     dest = golden.write_golden(_dump(tmp_path / "ref"), tmp_path / "g", taps=["embed", "logits"])
     assert golden.load_golden(dest, MODEL, PROMPTS).taps() == ["embed", "logits"]

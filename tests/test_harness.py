@@ -62,10 +62,19 @@ def test_fp_control_stock_vllm_against_stock_transformers(pytester, tmp_path):
     assert ref["prompts_sha256"] == cand["prompts_sha256"] and ref["model_sha256"] == cand["model_sha256"]
 
 
-def test_tap_glob_focuses_on_one_layer(pytester):
-    result = _run(pytester, "--parity-level=block", "--parity-taps=layers.2.*", "-v")
-    result.assert_outcomes(passed=12)
-    result.stdout.fnmatch_lines(["*parity::test_parity?block-layers.2.output? PASSED*"])
+def test_golden_gate_on_the_embedded_default(pytester):
+    """The nightly gate, in CI: the committed golden of the embedded default, no fp32 reference built."""
+    from pathlib import Path
+
+    golden = Path(__file__).resolve().parents[1] / "references" / "golden" / "default"
+    (pytester.path / "references" / "golden").mkdir(parents=True)
+    (pytester.path / "references" / "golden" / "default").symlink_to(golden)
+    result = _run(pytester, "--parity-level=model", "--parity-against=golden", "-v")
+    result.assert_outcomes(passed=1 + 44 + 4 + 2 + 3)
+    result.stdout.fnmatch_lines(["parity::test_parity?block-layers.2.output? PASSED*"])
+    rep = _report(pytester)
+    assert rep["run"]["against"] == "golden" and rep["run"]["unused_golden_taps"] == []
+    assert "reference_s" not in rep["run"]["timings"]
 
 
 def test_tensor_parallel_dumps_equal_single_rank(tmp_path):
@@ -198,3 +207,39 @@ def test_calibrated_tolerances_are_written_and_consumed(pytester):
     by = {t["name"]: t for t in _report(pytester)["taps"]}
     assert by["layers.2.mlp.down"]["tolerance"]["atol"] == atol
     assert by["layers.2.mlp.down"]["min_tolerance"]["atol"] <= atol
+
+
+def test_golden_round_trip_and_gate(pytester, monkeypatch, tmp_path):
+    model = make_fixture("seed-article", tmp_path / "tiny", dims=SMALL)
+    golden = pytester.path / "references" / "golden" / "tiny"
+    args = ("--parity-level=model", f"--parity-model={model}", "--parity-against=golden")
+    # a missing golden is written from the live reference, and the run fails: nothing was checked
+    result = _run(pytester, *args)
+    assert result.ret == 1 and (golden / "manifest.json").is_file()
+    result.stdout.fnmatch_lines(["*was written now from the live reference*", "*golden reference written*"])
+    # a clean run passes against it without building the fp32 reference
+    result = _run(pytester, *args)
+    result.assert_outcomes(passed=1 + 33 + 3 + 2 + 3)
+    timings = _report(pytester)["run"]["timings"]
+    assert "reference_s" not in timings and "candidate_s" in timings
+    # a planted fault fails against the golden, still with no reference built
+    pytester.makeconftest(FAULTY_PLUGIN)
+    monkeypatch.setenv("PARITY_TEST_FAULT", "scale_missing:model.layers.1.mlp.down_proj")
+    result = _run(pytester, *args)
+    rep = _report(pytester)
+    assert rep["first_divergence"]["name"] == "layers.1.mlp.down" and "reference_s" not in rep["run"]["timings"]
+    # a golden tap that no comparison reads is reported
+    monkeypatch.delenv("PARITY_TEST_FAULT")
+    (pytester.path / "conftest.py").unlink()
+    from parity.dumps import DumpReader, DumpWriter
+    from parity.golden import write_golden
+
+    src = DumpReader(golden)
+    extended = DumpWriter(tmp_path / "extended", {k: v for k, v in src.manifest.items() if k not in ("taps", "schema")})
+    for tap in src.taps():
+        extended.write(tap, {f"{tap}@{p}": src.get(tap, p) for p in src.prompts(tap)})
+    extended.write("stale", {"layers.7.output@0": torch.zeros(2, 128)})
+    write_golden(DumpReader(extended.close()), golden, extras=src.manifest.get("golden", {}).get("extras"))
+    result = _run(pytester, *args)
+    result.stdout.fnmatch_lines(["*unused golden taps (no comparison read them): ?'layers.7.output'?*"])
+    assert _report(pytester)["run"]["unused_golden_taps"] == ["layers.7.output"]

@@ -62,3 +62,13 @@ def test_x():
     result = pytester.runpytest("--parity-level=op")
     assert result.ret != 0
     assert "level 'layer' is not one of" in result.stderr.str() + result.stdout.str()
+
+
+def test_tap_glob_selects_per_layer_nodes(pytester):
+    result = pytester.runpytest("--parity-level=block", "--parity-taps=layers.2.*", "--collect-only", "-q")
+    lines = [line for line in result.stdout.lines if line.startswith("parity::")]
+    assert lines == [f"parity::test_parity[op-layers.2.{t}]" for t in (
+        "attn.norm", "attn.q", "attn.k", "attn.v", "attn.context", "attn.o", "mlp.norm", "mlp.gate", "mlp.up",
+        "mlp.act", "mlp.down")] + ["parity::test_parity[block-layers.2.output]"]
+    model = pytester.runpytest("--parity-level=model", "--collect-only", "-q")
+    assert sum(line.startswith("parity::") for line in model.stdout.lines) == 1 + 44 + 4 + 2 + 3

@@ -1,0 +1,25 @@
+"""The ``kernels`` candidate: the reference's modeling code with the kernel linears, no vLLM needed."""
+
+import json
+import sys
+
+import pytest
+
+from fixtures.checkpoints import Dims, make_fixture
+
+pytest_plugins = ["pytester"]
+SMALL = Dims(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=256, vocab=1024)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["hf-bitnet", "int8x"])
+def test_kernel_candidate_passes_every_level(pytester, tmp_path, fmt):
+    model = make_fixture(fmt, tmp_path / fmt, dims=SMALL)
+    result = pytester.run(sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--parity-level=model",
+                          "--parity-candidate=kernels", f"--parity-model={model}",
+                          f"--parity-report={tmp_path / 'report'}", "--parity-mode=isolated", timeout=600)
+    # embed, 2 x 11 op taps, 2 layer outputs, final_norm + logits, greedy + top-k
+    result.assert_outcomes(passed=1 + 22 + 2 + 2 + 2)
+    rep = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert rep["passed"] and rep["run"]["candidate"] == "kernels" and rep["run"]["mode"] == "isolated"
+    assert all(t["isolated"]["passed"] for t in rep["taps"])
