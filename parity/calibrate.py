@@ -15,18 +15,12 @@ from pathlib import Path
 import torch
 
 from parity.dumps import DumpReader
+from parity.taps import PROJECTION_OF
 from parity.tolerances import ToleranceTable
 from references.checkpoint import Checkpoint
 from references.formats import Int8xSpec, TernarySpec
 from references.int8x import scale_of
 
-# op tap -> (projection, the tap holding its input)
-PROJECTIONS = {
-    "attn.q": ("self_attn.q_proj", "attn.norm"), "attn.k": ("self_attn.k_proj", "attn.norm"),
-    "attn.v": ("self_attn.v_proj", "attn.norm"), "attn.o": ("self_attn.o_proj", "attn.context"),
-    "mlp.gate": ("mlp.gate_proj", "mlp.norm"), "mlp.up": ("mlp.up_proj", "mlp.norm"),
-    "mlp.down": ("mlp.down_proj", "mlp.act"),
-}
 
 
 def _max_abs(a: DumpReader, b: DumpReader, tap: str) -> tuple[float, float]:
@@ -42,9 +36,9 @@ def _max_abs(a: DumpReader, b: DumpReader, tap: str) -> tuple[float, float]:
 def format_cap(ckpt: Checkpoint, reference: DumpReader, tap: str) -> float | None:
     """Half the output change of one code off by one, for the projection behind an op tap."""
     parts = tap.split(".", 2)
-    if len(parts) < 3 or parts[0] != "layers" or parts[2] not in PROJECTIONS or ckpt.spec is None:
+    if len(parts) < 3 or parts[0] != "layers" or parts[2] not in PROJECTION_OF or ckpt.spec is None:
         return None
-    module_suffix, input_tap = PROJECTIONS[parts[2]]
+    module_suffix, input_tap = PROJECTION_OF[parts[2]]
     module = f"model.layers.{parts[1]}.{module_suffix}"
     spec = ckpt.spec
     if spec.is_ignored(module):

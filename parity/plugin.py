@@ -275,9 +275,14 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
             terminalreporter.write_line(f"first divergence: {first.name} (layer {first.layer})", red=True)
             for r in sources:
                 terminalreporter.write_line(f"  source {r.message}")
+                for h in (h for h in s.hints if h["tap"] == r.name):
+                    terminalreporter.write_line(f"    hint ({h['kind']}): {h['evidence']}", yellow=True)
+                    terminalreporter.write_line(f"      fix: {h['fix']}", yellow=True)
             inherited = sum(1 for r in s.results.values() if r.role == "inherited")
             if inherited:
                 terminalreporter.write_line(f"  {inherited} later failing tap(s) inherit from these sources")
+        for h in (h for h in s.hints if h["kind"] == "drift"):
+            terminalreporter.write_line(f"hint ({h['kind']}): {h['evidence']} — {h['fix']}", yellow=True)
     elif s is not None and s.error is not None:
         terminalreporter.write_line(f"the parity run failed before comparing: {s.error!r}", red=True)
     elif state.failures:

@@ -229,6 +229,9 @@ class ParitySession:
                 self.timings["compare_s"] = time.perf_counter() - t0
                 shown = set(self.taps())
                 self.results = {r.name: r for r in results if r.name in shown}
+                t0 = time.perf_counter()
+                self.hints = self.diagnose()
+                self.timings["diagnose_s"] = time.perf_counter() - t0
                 if self.golden_error is not None:
                     raise self.golden_error
             except BaseException as exc:  # noqa: BLE001 - reported by every item that needs it
@@ -236,6 +239,50 @@ class ParitySession:
         if self.error is not None:
             raise self.error
         return self.results
+
+    def diagnose(self) -> list[dict]:
+        """Hints for every source of a divergence, and for drift across the layers' outputs."""
+        from parity.diagnosis import LinearContext, diagnose_depth, diagnose_tap
+        from parity.taps import FUSED_WITH, PROJECTION_OF
+        from references.linear import ReferenceLinear, read_stored
+
+        cand = self.candidate_isolated if self.opts.mode == "isolated" else self.candidate
+        hints = []
+        for r in self.results.values():
+            if r.role != "source" or r.metrics is None:
+                continue
+            ref_t, cand_t = self._stacked(self.reference, r.name), self._stacked(cand, r.name)
+            parts = r.name.split(".", 2)
+            linear, siblings = None, None
+            if r.layer is not None and parts[2] in PROJECTION_OF:
+                suffix, input_tap = PROJECTION_OF[parts[2]]
+                module = f"model.layers.{r.layer}.{suffix}"
+                spec = self.ckpt.spec
+                if spec is not None and not spec.is_ignored(module):
+                    n, k = self.ckpt.linear_shapes()[module]
+                    ref_linear = ReferenceLinear(module, spec, read_stored(self.ckpt, module, spec, n, k), n, k)
+                    linear = LinearContext(module, self._stacked(self.reference, f"layers.{r.layer}.{input_tap}"),
+                                           ref_linear)
+                siblings = {f"layers.{r.layer}.{o}": (self._stacked(self.reference, f"layers.{r.layer}.{o}"),
+                                                      self._stacked(cand, f"layers.{r.layer}.{o}"))
+                            for o in FUSED_WITH.get(parts[2], ()) if f"layers.{r.layer}.{o}" in self.reference.taps()}
+            try:
+                found = diagnose_tap(r.name, ref_t, cand_t, linear, tp_size=self.opts.tensor_parallel_size,
+                                     siblings=siblings or None)
+            except ValueError as exc:  # a shape the diagnosis cannot read is not a reason to lose the run
+                found = []
+                self.extras.setdefault("diagnosis_errors", {"passed": True, "errors": []})["errors"].append(
+                    f"{r.name}: {exc}")
+            hints += [h.as_dict() for h in found]
+        outputs = [(r.name, r.metrics.max_abs) for r in self.results.values()
+                   if r.name.endswith(".output") and r.metrics is not None]
+        if outputs:
+            atol = self.results[outputs[-1][0]].tolerance.atol
+            hints += [h.as_dict() for h in diagnose_depth(outputs, atol)]
+        return hints
+
+    def _stacked(self, dump: DumpReader, tap: str) -> torch.Tensor:
+        return torch.cat([dump.get(tap, p) for p in dump.prompts(tap)])
 
     def golden_dir(self) -> Path:
         from parity import golden
@@ -403,7 +450,7 @@ class ParitySession:
             run["golden"] = golden.describe(self.golden)
             run["unused_golden_taps"] = self.unused_golden()
         rep = report_mod.build(run, [r.as_dict() for r in results],
-                               {"name": first.name, "layer": first.layer} if first else None, hints=[])
+                               {"name": first.name, "layer": first.layer} if first else None, hints=self.hints)
         if self.extras:
             rep["passed"] = rep["passed"] and all(e["passed"] for e in self.extras.values())
         heat = None

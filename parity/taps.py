@@ -112,6 +112,17 @@ _LAYER_INPUTS = {
     "mlp.act": ("mlp.gate", "mlp.up"), "mlp.down": ("mlp.act",), "output": ("input", "attn.o", "mlp.down"),
 }
 
+# Op taps that are a projection's output: (module under "model.layers.{i}.", the tap holding its input),
+# and the taps computed from the same fused vLLM layer.
+PROJECTION_OF = {
+    "attn.q": ("self_attn.q_proj", "attn.norm"), "attn.k": ("self_attn.k_proj", "attn.norm"),
+    "attn.v": ("self_attn.v_proj", "attn.norm"), "attn.o": ("self_attn.o_proj", "attn.context"),
+    "mlp.gate": ("mlp.gate_proj", "mlp.norm"), "mlp.up": ("mlp.up_proj", "mlp.norm"),
+    "mlp.down": ("mlp.down_proj", "mlp.act"),
+}
+FUSED_WITH = {"attn.q": ("attn.k", "attn.v"), "attn.k": ("attn.q", "attn.v"), "attn.v": ("attn.q", "attn.k"),
+              "mlp.gate": ("mlp.up",), "mlp.up": ("mlp.gate",)}
+
 LEVEL_OP, LEVEL_BLOCK, LEVEL_MODEL = "op", "block", "model"
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 

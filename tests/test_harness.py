@@ -243,3 +243,101 @@ def test_golden_round_trip_and_gate(pytester, monkeypatch, tmp_path):
     result = _run(pytester, *args)
     result.stdout.fnmatch_lines(["*unused golden taps (no comparison read them): ?'layers.7.output'?*"])
     assert _report(pytester)["run"]["unused_golden_taps"] == ["layers.7.output"]
+
+
+ZOO_PLUGIN = '''
+"""A test-only variant of the vLLM plugin: several layers, each with its own planted fault."""
+import dataclasses, os
+
+import torch
+
+
+def pytest_configure(config):
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from kernels import vllm_plugin
+    from kernels.vllm_config import TernaryConfig
+    from kernels.vllm_methods import TernaryLinearMethod
+
+    faults = dict(item.split("=") for item in os.environ["PARITY_TEST_FAULTS"].split(","))
+    vllm_plugin.register()
+
+    class AfterLoad(TernaryLinearMethod):
+        def __init__(self, spec, modules, change):
+            super().__init__(spec, modules)
+            self.change = change
+
+        def process_weights_after_loading(self, layer):
+            super().process_weights_after_loading(layer)
+            self.change(layer)
+
+    class SwappedSlices(TernaryLinearMethod):  # k and v columns of the fused output exchanged
+        def apply(self, layer, x, bias=None):
+            y = super().apply(layer, x, bias)
+            q, k, v = y.split([layer.parity_n - 2 * 64, 64, 64], dim=-1)
+            return torch.cat([q, v, k], dim=-1)
+
+    def regroup(layer):  # the kernel indexes scales with twice the group size
+        s = layer.parity_scale
+        s.copy_(s[:, torch.arange(s.shape[1]) // 2])
+
+    def bf16(layer):
+        layer.parity_scale.copy_(layer.parity_scale.to(torch.bfloat16).to(torch.float32))
+
+    class ZooConfig(TernaryConfig):
+        def make_method(self, modules):
+            kind = next((faults[m] for m in modules if m in faults), None)
+            spec = self.spec
+            if kind == "code_table":
+                return TernaryLinearMethod(dataclasses.replace(spec, code_map=(0, -1, 1, None)), modules)
+            if kind == "bit_order":
+                return TernaryLinearMethod(dataclasses.replace(spec, bit_order="msb"), modules)
+            if kind == "pack_layout":
+                return TernaryLinearMethod(dataclasses.replace(spec, pack_layout="blocked"), modules)
+            if kind == "scale_inverted":
+                return TernaryLinearMethod(dataclasses.replace(spec, scale_mode="divide"), modules)
+            if kind == "scale_missing":
+                return AfterLoad(spec, modules, lambda layer: layer.parity_scale.fill_(1.0))
+            if kind == "scale_dtype":
+                return AfterLoad(spec, modules, bf16)
+            if kind == "group_size":
+                return AfterLoad(spec, modules, regroup)
+            if kind == "slices_swapped":
+                return SwappedSlices(spec, modules)
+            return super().make_method(modules)
+
+    register_quantization_config("ternary")(ZooConfig)
+'''
+
+ZOO = [  # (fault class, projection, the tap where it must show)
+    ("code_table", "model.layers.0.self_attn.o_proj", "layers.0.attn.o"),
+    ("bit_order", "model.layers.1.mlp.down_proj", "layers.1.mlp.down"),
+    ("pack_layout", "model.layers.2.self_attn.o_proj", "layers.2.attn.o"),
+    ("scale_missing", "model.layers.3.mlp.down_proj", "layers.3.mlp.down"),
+    ("scale_inverted", "model.layers.4.self_attn.o_proj", "layers.4.attn.o"),
+    ("scale_dtype", "model.layers.5.mlp.down_proj", "layers.5.mlp.down"),
+    ("group_size", "model.layers.6.mlp.down_proj", "layers.6.mlp.down"),
+    ("slices_swapped", "model.layers.7.self_attn.k_proj", "layers.7.attn.k"),
+]
+
+
+def test_fault_zoo(pytester, monkeypatch, tmp_path):
+    """One engine, eight layers, a different planted fault in each: isolated mode marks exactly the
+    planted taps as sources, the first one is the first divergence, and each hint names its class."""
+    from fixtures.checkpoints import with_spec
+
+    spec = with_spec("seed-article", scale_granularity="group", group_size=32)
+    model = make_fixture("ternary", tmp_path / "zoo", spec=spec, scale_dtype="float16",
+                         dims=Dims(hidden=128, layers=8, heads=2, kv_heads=1, intermediate=256, vocab=1024))
+    pytester.makeconftest(ZOO_PLUGIN)
+    monkeypatch.setenv("PARITY_TEST_FAULTS", ",".join(f"{m}={k}" for k, m, _ in ZOO))
+    _run(pytester, "--parity-level=op", f"--parity-model={model}", "--parity-mode=isolated")
+    rep = _report(pytester)
+    sources = [t["name"] for t in rep["taps"] if t["role"] == "source"]
+    assert sources == [tap for _, _, tap in ZOO] + ["layers.7.attn.v"]
+    assert rep["first_divergence"]["name"] == "layers.0.attn.o"
+    kinds = {}
+    for h in rep["hints"]:
+        kinds.setdefault(h["tap"], []).append(h["kind"])
+    for kind, _, tap in ZOO:
+        assert kinds.get(tap, [None])[0] == kind, (tap, kinds.get(tap))
