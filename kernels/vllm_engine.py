@@ -17,11 +17,14 @@ DEFAULT_MAX_MODEL_LEN = 256
 KV_CACHE_GIB = "1"
 
 
-def engine_env(tensor_parallel_size: int = 1, multiprocessing: bool = False) -> dict[str, str]:
-    """Environment for the engine: in-process unless asked, a 1 GiB CPU KV cache, CPU thread binding for TP."""
+def engine_env(tensor_parallel_size: int = 1, multiprocessing: bool = False,
+               kv_cache_bytes: int | None = None) -> dict[str, str | None]:
+    """Environment for the engine: in-process unless asked, a 1 GiB CPU KV cache (or exactly
+    ``kv_cache_bytes``, passed to the engine instead), CPU thread binding for TP."""
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB),
+        # vLLM's CPU platform lets this variable override kv_cache_memory_bytes: None unsets it
+        "VLLM_CPU_KVCACHE_SPACE": None if kv_cache_bytes else os.environ.get("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB),
     }
     if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         # The CPU default ("auto") asks for one NUMA node per rank and refuses to start on one node.
@@ -32,10 +35,14 @@ def engine_env(tensor_parallel_size: int = 1, multiprocessing: bool = False) -> 
 
 
 @contextlib.contextmanager
-def patched_environ(values: Mapping[str, str]) -> Iterator[None]:
-    """Set environment variables for the block, then restore them."""
+def patched_environ(values: Mapping[str, str | None]) -> Iterator[None]:
+    """Set (or, for None, unset) environment variables for the block, then restore them."""
     old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:
@@ -48,9 +55,9 @@ def patched_environ(values: Mapping[str, str]) -> Iterator[None]:
 
 def make_llm(model: str | Path, *, tensor_parallel_size: int = 1, multiprocessing: bool = False,
              max_model_len: int = DEFAULT_MAX_MODEL_LEN, max_num_seqs: int = 16, seed: int = 0,
-             **llm_kwargs: Any):
+             kv_cache_bytes: int | None = None, **llm_kwargs: Any):
     """A ``vllm.LLM`` for ``model`` with the parity settings; ``llm_kwargs`` override any of them."""
-    env = engine_env(tensor_parallel_size, multiprocessing)
+    env = engine_env(tensor_parallel_size, multiprocessing, kv_cache_bytes)
     with patched_environ(env):
         import vllm.envs as envs
         from vllm import LLM
@@ -71,6 +78,8 @@ def make_llm(model: str | Path, *, tensor_parallel_size: int = 1, multiprocessin
             max_num_seqs=max_num_seqs,
             seed=seed,
         )
+        if kv_cache_bytes:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         kwargs.update(llm_kwargs)
         try:
             return LLM(**kwargs)

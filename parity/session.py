@@ -81,6 +81,8 @@ class ParitySession:
         self.debugged = False
         self.golden = None
         self.golden_error: Exception | None = None
+        self._reference_model = None
+        self._reference_tokens: list[list[int]] | None = None
 
     # -- what runs ------------------------------------------------------------------------------
 
@@ -133,7 +135,7 @@ class ParitySession:
 
     def capture_taps(self) -> list[str]:
         """The compared taps plus every layer's input (what isolated runs and diagnosis read)."""
-        wanted = set(self.taps())
+        wanted = set(self.taps()) | ({"logits"} if self.opts.level == "model" and not self.opts.taps else set())
         return [t for t in canonical_order(self.num_layers) if t in wanted or t.endswith(".input")]
 
     def wanted(self, tap: str) -> bool:
@@ -153,9 +155,13 @@ class ParitySession:
         dump = reference_side.capture(model, self.prompts, self.dump_root() / name,
                                       {**self.meta("reference"), "dtype": str(dtype).removeprefix("torch.")},
                                       wanted=self.wanted)
-        self.timings[f"{name}_s"] = time.perf_counter() - t0
         if dtype == torch.float32:
             self._reference_model = model
+            if self.opts.level == "model":
+                self._reference_tokens = self.reference_greedy()
+        self._reference_model = None  # the dump holds what later checks read: free the weights
+        del model
+        self.timings[f"{name}_s"] = time.perf_counter() - t0
         return dump
 
     def calibrate(self) -> None:
@@ -179,15 +185,26 @@ class ParitySession:
             from kernels.vllm_engine import make_llm
 
             t0 = time.perf_counter()
-            max_len = max(len(p) for p in self.prompts) + self.opts.greedy_tokens + 8
-            self._llm = make_llm(self.model_dir, max_model_len=max(256, max_len),
-                                 max_num_seqs=max(4, len(self.prompts)),
+            max_len = max(256, max(len(p) for p in self.prompts) + self.opts.greedy_tokens + 8)
+            seqs = max(4, len(self.prompts))
+            self._llm = make_llm(self.model_dir, max_model_len=max_len, max_num_seqs=seqs,
+                                 kv_cache_bytes=self.kv_cache_bytes(max_len * seqs),
                                  tensor_parallel_size=self.opts.tensor_parallel_size,
                                  enforce_eager=not self.opts.compiled)
             self.timings["engine_start_s"] = time.perf_counter() - t0
         return self._llm
 
+    def kv_cache_bytes(self, tokens: int) -> int:
+        """Room for every prompt at once, twice over, at least 64 MiB: not vLLM's default gibibyte."""
+        c = self.ckpt.config
+        heads = int(c["num_attention_heads"])
+        head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
+        per_token = 2 * self.num_layers * int(c.get("num_key_value_heads") or heads) * head_dim * 4
+        return max(64 << 20, 2 * per_token * tokens)
+
     def candidate_dump(self, isolated: bool = False, repeat: bool = False) -> DumpReader:
+        if self.opts.candidate == "vllm":
+            self.llm()  # the engine's start is timed on its own
         t0 = time.perf_counter()
         out = self.dump_root() / ("candidate-isolated" if isolated else "candidate-repeat" if repeat else "candidate")
         feed = self.reference if isolated else None
@@ -324,13 +341,12 @@ class ParitySession:
                                          f"{self.opts.greedy_tokens} tokens; regenerate it with "
                                          f"--parity-update-golden")
             return [t[: self.opts.greedy_tokens] for t in tokens]
+        if self._reference_tokens is not None:
+            return self._reference_tokens
         return [_greedy(self._reference_model, ids, self.opts.greedy_tokens) for ids in self.prompts]
 
     def reference_logits(self, prompt: int) -> torch.Tensor:
-        if "logits" in self.reference.taps():
-            return self.reference.get("logits", prompt)
-        with torch.no_grad():
-            return self._reference_model(torch.tensor([self.prompts[prompt]]), use_cache=False).logits[0]
+        return self.reference.get("logits", prompt)
 
     def unused_golden(self) -> list[str]:
         """Golden taps this run never read (reported only when every tap was compared)."""
