@@ -45,7 +45,7 @@ CHUNK_ELEMS = 1 << 23  # weight elements rebuilt at a time when a hypothesis is 
 MATCH_REL = 0.05  # a candidate column equals a reference column within this relative error
 MATCH_COS = 0.999
 SLICE_SAMPLES = 64
-DRIFT_MIN_GROWTH = 4.0  # last / first error of a drift
+DRIFT_MIN_GROWTH = 2.0  # last / first error of a drift
 DRIFT_RISING = 0.7  # share of layer-to-layer steps that must not fall
 JUMP_MIN = 2.5  # a step of at least this factor that also dwarfs the typical step is a jump
 ROW_PARALLEL = ("attn.o", "mlp.down")  # outputs all-reduced over ranks' partial sums
@@ -789,12 +789,13 @@ def diagnose_depth(errors: list[tuple[str, float]], tolerance_atol: float) -> li
 
     ``errors``: (``layers.{i}.output``, max_abs error) in layer order.
     """
-    if len(errors) < 3 or not all(math.isfinite(float(e)) and float(e) >= 0 for _, e in errors):
+    if len(errors) < 4 or not all(math.isfinite(float(e)) and float(e) >= 0 for _, e in errors):
         return []
     floor = max(1e-12, 1e-4 * tolerance_atol)  # errors below this are noise, not a trend
     e = torch.tensor([max(float(v), floor) for _, v in errors], dtype=torch.float64)
     growth = float(e[-1] / e[0])
-    if growth < DRIFT_MIN_GROWTH or float(e[0]) > tolerance_atol or float(e.max()) < 0.1 * tolerance_atol:
+    # small at the first layer (a few atol at most), rising from there, and large enough to matter
+    if growth < DRIFT_MIN_GROWTH or float(e[0]) > 3 * tolerance_atol or float(e.max()) < 0.1 * tolerance_atol:
         return []
     logs = e.log()
     steps = torch.diff(logs)

@@ -341,3 +341,52 @@ def test_fault_zoo(pytester, monkeypatch, tmp_path):
         kinds.setdefault(h["tap"], []).append(h["kind"])
     for kind, _, tap in ZOO:
         assert kinds.get(tap, [None])[0] == kind, (tap, kinds.get(tap))
+
+
+def _corrupt_rank1(worker, module):
+    """Runs in each tensor-parallel worker: rank 1's shard of one layer gets its scales negated."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    if get_tensor_model_parallel_rank() == 1:
+        worker.model_runner.get_model().get_submodule(module).parity_scale.mul_(-1.0)
+    return True
+
+
+def _widen_norm_eps(model, eps):
+    for m in model.modules():
+        if hasattr(m, "variance_epsilon"):
+            m.variance_epsilon = eps
+    return True
+
+
+def _session(model, tmp_path, **opts):
+    from parity.session import Options, ParitySession
+
+    return ParitySession(Options(model=str(model), report_dir=str(tmp_path / "report"),
+                                 snapshot_dir=str(tmp_path / "snap"), root=str(tmp_path), **opts))
+
+
+def test_one_wrong_tensor_parallel_shard_is_named(tmp_path):
+    model = make_fixture("seed-article", tmp_path / "m", dims=SMALL)
+    s = _session(model, tmp_path, level="op", tensor_parallel_size=2)
+    try:
+        s.llm().collective_rpc(_corrupt_rank1, args=("model.layers.1.mlp.gate_up_proj",))
+        results = s.run()
+        hints = {(h["tap"], h["kind"]) for h in s.hints}
+    finally:
+        s.finish()
+    assert [r.name for r in results.values() if r.role == "source"] == ["layers.1.mlp.gate", "layers.1.mlp.up"]
+    assert ("layers.1.mlp.gate", "tp_shard") in hints and ("layers.1.mlp.up", "tp_shard") in hints
+
+
+def test_norm_epsilon_drift_is_named(tmp_path):
+    model = make_fixture("seed-article", tmp_path / "m",
+                         dims=Dims(hidden=128, layers=8, heads=2, kv_heads=1, intermediate=256, vocab=1024))
+    s = _session(model, tmp_path, level="block")
+    try:
+        s.llm().apply_model(lambda m: _widen_norm_eps(m, 3e-5))  # the checkpoint says 1e-5
+        s.run()
+        hints = [h for h in s.hints if h["kind"] == "drift"]
+    finally:
+        s.finish()
+    assert hints, s.hints
