@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from parity.report import json_clean
 from references.errors import ParityInputError
 
 
@@ -81,17 +82,6 @@ def _forward_order(taps: list[str]) -> list[str]:
     rank = {t: i for i, t in enumerate(canonical_order(n))}
     pos = {t: i for i, t in enumerate(taps)}
     return sorted(taps, key=lambda t: (rank.get(t, len(rank)), pos[t]))
-
-
-def _clean(o: Any) -> Any:
-    """JSON has no NaN or Infinity: non-finite floats become null."""
-    if isinstance(o, float):
-        return o if math.isfinite(o) else None
-    if isinstance(o, dict):
-        return {k: _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    return o
 
 
 def _g(v: Any, spec: str = ".3g") -> str:
@@ -183,7 +173,7 @@ def _diff(args: argparse.Namespace) -> int:
                "first_divergence": None if first is None else {"name": first.name, "layer": first.layer,
                                                                "message": first.message},
                "passed": passed}
-        print(json.dumps(_clean(out), indent=1, allow_nan=False))
+        print(json.dumps(json_clean(out), indent=1, allow_nan=False))
         return 0 if passed else 1
     print(f"A (reference): {a.root}\nB (candidate): {b.root}\ntolerances: {table.source}\n")
     print(_columns(TAP_HEAD, _tap_rows(taps)))
@@ -384,7 +374,7 @@ def _trend(args: argparse.Namespace) -> int:
         raise ValueError(str(exc)) from None
     found = trend.drift(rows, tap=args.tap, window=args.window, factor=args.factor)
     if args.json:
-        print(json.dumps(_clean({"file": str(args.file), "runs": len(rows), "drift": found}), indent=1))
+        print(json.dumps(json_clean({"file": str(args.file), "runs": len(rows), "drift": found}), indent=1))
     else:
         print(trend.table(rows, tap=args.tap, last=args.last), end="")
         print()

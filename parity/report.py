@@ -28,7 +28,7 @@ def write(run_dir: str | Path, report: dict, heatmap: dict | None = None) -> Pat
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / f".report.json.{os.getpid()}"
-    tmp.write_text(json.dumps(_clean(report), indent=1, allow_nan=False) + "\n")
+    tmp.write_text(json.dumps(json_clean(report), indent=1, allow_nan=False) + "\n")
     os.replace(tmp, run_dir / "report.json")
     if heatmap is not None:
         (run_dir / "heatmap.json").write_text(json.dumps(heatmap) + "\n")
@@ -75,15 +75,16 @@ def markdown(report: dict) -> str:
                  "No divergence.")
     for h in report["hints"]:
         lines += ["", f"- hint `{h['tap']}` ({h['kind']}): {h['evidence']} — {h['fix']}"]
-    lines += ["", "| tap | level | max_abs | cosine | sqnr dB | mismatch | atol | min passing atol | growth | result |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| tap | level | max_abs | isolated max_abs | cosine | sqnr dB | mismatch | atol | min passing atol "
+                  "| growth | result |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for t in report["taps"]:
         m = t["metrics"] or {}
         mt = t.get("min_tolerance") or {}
-        result = "pass" if t["passed"] else t.get("role", "fail")
-        lines.append(f"| {t['name']} | {t['level']} | {_fmt(m.get('max_abs'))} | {_fmt(m.get('cosine'))} | "
-                     f"{_fmt(m.get('sqnr_db'))} | {_fmt(m.get('mismatch_frac'))} | {_fmt(t['tolerance']['atol'])} | "
-                     f"{_fmt(mt.get('atol'))} | {_fmt(t.get('growth'))} | {result} |")
+        iso = (t.get("isolated") or {}).get("metrics") or {}
+        result = "pass" if t["passed"] and t.get("role", "pass") == "pass" else t.get("role", "fail")
+        lines.append(f"| {t['name']} | {t['level']} | {_fmt(m.get('max_abs'))} | {_fmt(iso.get('max_abs'))} | "
+                     f"{_fmt(m.get('cosine'))} | {_fmt(m.get('sqnr_db'))} | {_fmt(m.get('mismatch_frac'))} | "
+                     f"{_fmt(t['tolerance']['atol'])} | {_fmt(mt.get('atol'))} | {_fmt(t.get('growth'))} | {result} |")
     return "\n".join(lines) + "\n"
 
 
@@ -133,13 +134,14 @@ def html_page(report: dict, heatmap: dict | None) -> str:
         m = t["metrics"] or {}
         mt = t.get("min_tolerance") or {}
         cls = "ok" if t["passed"] else "bad"
+        iso = (t.get("isolated") or {}).get("metrics") or {}
         rows.append("<tr class='{}'>{}</tr>".format(cls, "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in (
-            t["name"], t["level"], m.get("max_abs"), m.get("max_rel"), m.get("mean_abs"), m.get("cosine"),
+            t["name"], t["level"], m.get("max_abs"), iso.get("max_abs"), m.get("max_rel"), m.get("mean_abs"), m.get("cosine"),
             m.get("sqnr_db"), m.get("mismatch_frac"), t["tolerance"]["atol"], t["tolerance"]["rtol"],
             mt.get("atol"), t.get("growth"), "pass" if t["passed"] else t.get("role", "fail")))))
     hints = "".join(f"<li><b>{html.escape(h['tap'])}</b> ({html.escape(h['kind'])}): {html.escape(h['evidence'])}"
                     f" — {html.escape(h['fix'])}</li>" for h in report["hints"])
-    head = ("tap", "level", "max abs", "max rel", "mean abs", "cosine", "SQNR dB", "mismatch", "atol", "rtol",
+    head = ("tap", "level", "max abs", "isolated max abs", "max rel", "mean abs", "cosine", "SQNR dB", "mismatch", "atol", "rtol",
             "min passing atol", "growth", "result")
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>parity {html.escape(run['id'])}</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;
@@ -155,12 +157,12 @@ level {html.escape(str(run['level']))} · mode {html.escape(str(run['mode']))} �
 """
 
 
-def _clean(o: Any) -> Any:
+def json_clean(o: Any) -> Any:
     """JSON has no NaN or Infinity: non-finite floats become null."""
     if isinstance(o, float):
         return o if math.isfinite(o) else None
     if isinstance(o, dict):
-        return {k: _clean(v) for k, v in o.items()}
+        return {k: json_clean(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
+        return [json_clean(v) for v in o]
     return o
