@@ -26,7 +26,7 @@ import torch
 
 from references.errors import DecodeError, FormatError
 from references.formats import TernarySpec
-from references.ternary import check_codes, code_values
+from references.ternary import unpack_values
 
 WORD_CODES = 16  # 2-bit fields per int32 word
 FIELD_BIT = tuple(2 * (e // 2) + 16 * (e % 2) for e in range(WORD_CODES))
@@ -82,24 +82,10 @@ def repack(packed: torch.Tensor, scale: torch.Tensor, spec: TernarySpec, n: int,
                           f"(pack_axis={spec.pack_axis!r}, logical ({n}, {k}))")
     if scale.device != packed.device:
         raise FormatError(f"{name}: packed weight on {packed.device}, scale on {scale.device}")
-    codes = unpack_codes(packed, spec)
-    check_codes(codes, packed, spec, name)  # the reference's rejection of null codes, same message
-    values = code_values(spec).to(packed.device)[codes.long()]  # int8 (N, K)
+    values = unpack_values(packed, spec, name)  # int8 (N, K) on packed's device; null codes rejected
     return NativeTernary(qweight=pack_native(values), scale=_native_scale(scale, spec, n, k, name),
                          n=n, k=k, group_size=_native_group(spec, k),
                          act_quant=spec.activation_quant == "per_token_absmax_int8")
-
-
-def unpack_codes(packed: torch.Tensor, spec: TernarySpec) -> torch.Tensor:
-    """Codes (uint8, logical ``(N, K)``), as ``references.ternary.unpack_codes``, on packed's device."""
-    rows = packed if spec.pack_axis == "input" else packed.t()  # bytes along the packed axis last
-    other, p = rows.shape
-    fields = torch.arange(4, device=packed.device, dtype=torch.uint8)
-    shifts = 2 * fields if spec.bit_order == "lsb" else 6 - 2 * fields
-    f = (rows.unsqueeze(-1) >> shifts) & 3  # (other, P, 4)
-    codes = f.reshape(other, 4 * p) if spec.pack_layout == "interleaved" \
-        else f.transpose(1, 2).reshape(other, 4 * p)
-    return codes if spec.pack_axis == "input" else codes.t().contiguous()
 
 
 def pack_native(values: torch.Tensor) -> torch.Tensor:

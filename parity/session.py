@@ -486,8 +486,7 @@ class ParitySession:
         return self.report_dir
 
     def stacked_pair(self, tap: str) -> tuple[torch.Tensor, torch.Tensor]:
-        ps = self.reference.prompts(tap)
-        return (torch.cat([self.reference.get(tap, p) for p in ps]), torch.cat([self.candidate.get(tap, p) for p in ps]))
+        return self._stacked(self.reference, tap), self._stacked(self.candidate, tap)
 
     def write_snapshot(self, failing: list[TapResult]) -> Path | None:
         ref, cand, diff = {}, {}, {}

@@ -14,13 +14,8 @@ from torch import nn
 from references import int8x, ternary
 from references.checkpoint import Checkpoint
 from references.errors import CheckpointError
-from references.formats import FormatSpec, Int8xSpec, TernarySpec
+from references.formats import FormatSpec, TernarySpec
 
-INT8X_DTYPES = {
-    "weight_shape": (torch.int64,), "weight_scale": (torch.float32,), "weight_b1": (torch.int32,),
-    "weight_b2": (torch.int32,), "weight_l1": (torch.int32,), "weight_l2": (torch.int32,),
-    "weight_l3": (torch.uint8,), "weight_b1_blk": (torch.int32,), "weight_b2_blk": (torch.int32,),
-}
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -42,10 +37,10 @@ def read_stored(ckpt: Checkpoint, module: str, spec: FormatSpec, n: int, k: int)
     stored = {}
     for suffix, name in spec.tensor_names(module).items():
         info = ckpt.info(name)
-        if info.dtype not in INT8X_DTYPES[suffix]:
+        if info.dtype != int8x.DTYPES[suffix]:
             raise CheckpointError(f"{info.file.name}: tensor {name!r} has dtype "
                                   f"{str(info.dtype).removeprefix('torch.')}, expected "
-                                  f"{str(INT8X_DTYPES[suffix][0]).removeprefix('torch.')}")
+                                  f"{str(int8x.DTYPES[suffix]).removeprefix('torch.')}")
         stored[suffix] = ckpt.tensor(name)
     shape = tuple(int(v) for v in stored["weight_shape"].tolist())
     if shape != (n, k):
@@ -98,6 +93,3 @@ class ReferenceLinear(nn.Module):
         fmt = self.spec.quant_method
         return f"{self.name}: {fmt}, in={self.in_features}, out={self.out_features}, dtype={self.dtype}"
 
-
-def is_int8x(spec: FormatSpec | None) -> bool:
-    return isinstance(spec, Int8xSpec)

@@ -96,11 +96,6 @@ def check_bytes(packed: torch.Tensor, spec: TernarySpec, name: str) -> None:
     )
 
 
-def check_codes(codes: torch.Tensor, packed: torch.Tensor, spec: TernarySpec, name: str) -> None:
-    """As :func:`check_bytes` (the codes are implied by the bytes)."""
-    check_bytes(packed, spec, name)
-
-
 def unpack_values(packed: torch.Tensor, spec: TernarySpec, name: str = "weight") -> torch.Tensor:
     """Ternary values (int8 in {-1, 0, 1}) of shape ``(N, K)``; illegal codes raise DecodeError."""
     _check_packed(packed, name)
