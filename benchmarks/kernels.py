@@ -96,7 +96,7 @@ def ternary_weights(k: int, n: int, spec: TernarySpec, seed: int):
     gen = torch.Generator().manual_seed(seed)
     values = torch.randint(-1, 2, (n, k), generator=gen)
     scale = torch.rand(spec.scale_shape(n, k), generator=gen) + 0.5
-    return repack(pack_values(values, spec).cuda(), scale.to(torch.float16).cuda(), spec, n, k)
+    return repack(pack_values(values, spec).cuda(), scale.to(torch.float16).cuda(), spec, n, k).with_tiles()
 
 
 def bench_shape(k: int, n: int, ms: list[int], kernels: list[str], copy_gbps: float, spec_name: str,
@@ -104,8 +104,10 @@ def bench_shape(k: int, n: int, ms: list[int], kernels: list[str], copy_gbps: fl
     spec = PRESETS[spec_name]
     rows = []
     base = ternary_weights(k, n, spec, seed=k * 7 + n)
-    nat_bytes = base.nbytes
-    natives, next_native = rotating(lambda: repack_copy(base), nat_bytes)
+    # Bytes a kernel must read: the tensor-core kernel reads the tiled copy, the others the row layout.
+    row_bytes = base.qweight.numel() * 4 + base.scale.numel() * 4
+    tile_bytes = base.tiles.numel() * 4 + base.scale.numel() * 4
+    natives, next_native = rotating(lambda: repack_copy(base), base.nbytes)
     wf = torch.randn(n, k, device="cuda", dtype=dtype) * 0.02
     fp16_weights, next_fp16 = rotating(lambda: wf.clone(), wf.numel() * wf.element_size(), cap=32)
     for m in ms:
@@ -115,7 +117,9 @@ def bench_shape(k: int, n: int, ms: list[int], kernels: list[str], copy_gbps: fl
         for kernel in kernels:
             if kernel == "cuda_naive" and m > 2:
                 continue
-            if kernel in ("triton_gemv", "cuda_vec") and m > 16:
+            if kernel in ("triton_gemv", "cuda_vec") and m > 16 or kernel == "cuda_mma" and m > 64:
+                continue
+            if kernel == "cuda_dequant" and (m < 16 or spec.activation_quant):
                 continue
             fn = _kernel_fn(kernel, x, next_native)
             try:
@@ -127,12 +131,14 @@ def bench_shape(k: int, n: int, ms: list[int], kernels: list[str], copy_gbps: fl
                                  error=f"{type(exc).__name__}: {exc}"[:500]))
                 print(f"  {kernel} K={k} N={n} M={m}: FAILED {exc}", file=sys.stderr)
                 continue
+            chosen = ternary_ops.select_kernel("auto", m, dtype, base.group_size, True, base.act_quant)
+            nat_bytes = tile_bytes if (chosen if kernel == "ternary" else kernel) == "cuda_mma" else row_bytes
             gbps = (nat_bytes + io_bytes) / us / 1e3
             rows.append(dict(kernel=kernel, K=k, N=n, M=m, dtype=str(dtype).replace("torch.", ""),
                              preset=spec_name, median_us=round(us, 3), gbps=round(gbps, 1),
                              bw_frac=round(gbps / copy_gbps, 4), baseline="torch_fp16_linear",
                              baseline_us=round(base_us, 3), speedup=round(base_us / us, 3),
-                             chosen=ternary_ops.select_kernel("auto", m)))
+                             chosen=chosen))
             r = rows[-1]
             print(f"  {kernel:12s} K={k:5d} N={n:5d} M={m:3d} {us:9.2f} us {gbps:7.0f} GB/s "
                   f"({r['bw_frac']:.2f} of copy)  fp16 {base_us:9.2f} us  x{r['speedup']:.2f}", flush=True)
@@ -141,8 +147,9 @@ def bench_shape(k: int, n: int, ms: list[int], kernels: list[str], copy_gbps: fl
 
 
 def repack_copy(native):
+    tiles = None if native.tiles is None else native.tiles.clone()
     return type(native)(qweight=native.qweight.clone(), scale=native.scale.clone(), n=native.n, k=native.k,
-                        group_size=native.group_size, act_quant=native.act_quant)
+                        group_size=native.group_size, act_quant=native.act_quant, tiles=tiles)
 
 
 def _kernel_fn(kernel: str, x: torch.Tensor, next_native):
@@ -152,8 +159,64 @@ def _kernel_fn(kernel: str, x: torch.Tensor, next_native):
     def run():
         nat = next_native()
         return ternary_ops.ternary_linear_op(x, nat.qweight, nat.scale, None, nat.k, nat.group_size,
-                                             nat.act_quant, kernel)
+                                             nat.act_quant, kernel, nat.tiles)
     return run
+
+
+def floor_rows() -> list[dict]:
+    """Per-call time of near-empty work in the same graph harness: what every kernel pays at least."""
+    from kernels import ternary_cuda
+
+    rows = []
+    small = torch.empty(16, device="cuda")
+    rows.append(dict(kernel="zero_16_floats", median_us=round(graph_us(lambda: small.zero_(), 64), 3)))
+    x = torch.randn(1, 128, device="cuda", dtype=torch.float16)
+    w = torch.randn(16 * 264, 128, device="cuda", dtype=torch.float16)
+    rows.append(dict(kernel="torch_fp16_linear_tiny", K=128, N=w.shape[0], M=1,
+                     median_us=round(graph_us(lambda: F.linear(x, w), 64), 3)))
+    if ternary_cuda.available():
+        nat = ternary_weights(128, w.shape[0], PRESETS["seed-article"], seed=2)
+        rows.append(dict(kernel="cuda_mma_tiny", K=128, N=w.shape[0], M=1, median_us=round(graph_us(
+            lambda: ternary_cuda.linear_mma(x, nat.tiles, nat.scale, None, nat.n, nat.k, 0, False), 64), 3)))
+    for r in rows:
+        print(f"  floor {r['kernel']:24s} {r['median_us']:8.2f} us", flush=True)
+    return rows
+
+
+def sweep_mma(copy_gbps: float) -> list[dict]:
+    """Row tiles per block and warps per block of the tensor-core kernel at the target shapes."""
+    from kernels import ternary_cuda
+
+    out = []
+    for (k, n) in [(4096, 14336), (14336, 4096)]:
+        base = ternary_weights(k, n, PRESETS["seed-article"], seed=1)
+        natives, next_native = rotating(lambda: repack_copy(base), base.nbytes)
+        for m in (1, 16, 32, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            best = None
+            for tn, warps, loads in itertools.product((1, 2, 4), (4, 8, 16), (4, 8)):
+                if loads == 8 and m > 8:
+                    continue
+                cfg = dict(tn=tn, warps=warps, loads=loads)
+
+                def fn(cfg=cfg):
+                    nat = next_native()
+                    return ternary_cuda.linear_mma(x, nat.tiles, nat.scale, None, nat.n, nat.k, nat.group_size,
+                                                   nat.act_quant, config=cfg)
+                try:
+                    us = graph_us(fn, len(natives), reps=7)
+                except Exception as exc:
+                    print(f"  sweep mma K={k} N={n} M={m} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}",
+                          file=sys.stderr)
+                    continue
+                row = dict(kernel="cuda_mma", K=k, N=n, M=m, config=cfg, median_us=round(us, 3),
+                           default=ternary_cuda.mma_config(m, n, k))
+                out.append(row)
+                if best is None or us < best["median_us"]:
+                    best = row
+            print(f"  best mma K={k} N={n} M={m}: {best}", flush=True)
+        del natives
+    return out
 
 
 def sweep(copy_gbps: float) -> list[dict]:
@@ -214,29 +277,42 @@ def int8x_rows(copy_gbps: float) -> list[dict]:
                        for s in ("weight_b1", "weight_b2", "weight_l1", "weight_l2", "weight_l3",
                                  "weight_b1_blk", "weight_b2_blk"))
     rows = []
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     wb = (q * 0.01).to(torch.bfloat16).cuda()
     copies, next_wb = rotating(lambda: wb.clone(), wb.numel() * 2, cap=4)
-    base_us = graph_us(lambda: F.linear(x, next_wb()), len(copies))
-    dec_us = median_us(lambda: int8x_ops.decode(tensors, (n, k), dtype=torch.bfloat16, backend="triton"))
-    dec_bytes = stream_bytes + n * k * 2
-    rows.append(dict(kernel="int8x_decode", K=k, N=n, M=0, dtype="bfloat16", median_us=round(dec_us, 3),
-                     gbps=round(dec_bytes / dec_us / 1e3, 1), bw_frac=round(dec_bytes / dec_us / 1e3 / copy_gbps, 4),
-                     baseline="torch_bf16_linear", baseline_us=round(base_us, 3),
-                     speedup=round(base_us / dec_us, 3), bytes="streams read + bf16 weight written"))
+    backends = ["triton"]
     try:
-        lin_us = graph_us(lambda: int8x_ops.linear(x, tensors, (n, k), backend="triton"), 8)
-    except Exception as exc:  # not capturable: events around single calls instead
-        print(f"  int8x_linear in a CUDA graph failed ({exc}); timing plain calls", file=sys.stderr)
-        lin_us = median_us(lambda: int8x_ops.linear(x, tensors, (n, k), backend="triton"))
-    lin_bytes = stream_bytes + (k + n) * 2
-    rows.append(dict(kernel="int8x_linear", K=k, N=n, M=1, dtype="bfloat16", median_us=round(lin_us, 3),
-                     gbps=round(lin_bytes / lin_us / 1e3, 1), bw_frac=round(lin_bytes / lin_us / 1e3 / copy_gbps, 4),
-                     baseline="torch_bf16_linear", baseline_us=round(base_us, 3),
-                     speedup=round(base_us / lin_us, 3)))
+        from kernels import int8x_cuda
+
+        if int8x_cuda.available():
+            backends.append("cuda")
+    except ImportError:
+        pass
+    dec_bytes = stream_bytes + n * k * 2
+    for backend in backends:
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            base_us = graph_us(lambda: F.linear(x, next_wb()), len(copies))
+            if m == 1:
+                dec_us = median_us(lambda: int8x_ops.decode(tensors, (n, k), dtype=torch.bfloat16, backend=backend))
+                rows.append(dict(kernel=f"int8x_decode_{backend}", K=k, N=n, M=0, dtype="bfloat16",
+                                 median_us=round(dec_us, 3), gbps=round(dec_bytes / dec_us / 1e3, 1),
+                                 bw_frac=round(dec_bytes / dec_us / 1e3 / copy_gbps, 4),
+                                 baseline="torch_bf16_linear", baseline_us=round(base_us, 3),
+                                 speedup=round(base_us / dec_us, 3), bytes="streams read + bf16 weight written"))
+            try:
+                lin_us = graph_us(lambda: int8x_ops.linear(x, tensors, (n, k), backend=backend), 8)
+            except Exception as exc:  # not capturable: events around single calls instead
+                print(f"  int8x_linear in a CUDA graph failed ({exc}); timing plain calls", file=sys.stderr)
+                lin_us = median_us(lambda: int8x_ops.linear(x, tensors, (n, k), backend=backend))
+            lin_bytes = stream_bytes + (k + n) * 2 * m
+            rows.append(dict(kernel=f"int8x_linear_{backend}", K=k, N=n, M=m, dtype="bfloat16",
+                             median_us=round(lin_us, 3), gbps=round(lin_bytes / lin_us / 1e3, 1),
+                             bw_frac=round(lin_bytes / lin_us / 1e3 / copy_gbps, 4),
+                             baseline="torch_bf16_linear", baseline_us=round(base_us, 3),
+                             speedup=round(base_us / lin_us, 3)))
     for r in rows:
-        print(f"  {r['kernel']:14s} {r['median_us']:9.2f} us {r['gbps']:7.0f} GB/s  bf16 linear "
-              f"{base_us:8.2f} us  x{r['speedup']:.2f}", flush=True)
+        print(f"  {r['kernel']:22s} M={r['M']:2d} {r['median_us']:9.2f} us {r['gbps']:7.0f} GB/s  bf16 linear "
+              f"{r['baseline_us']:8.2f} us  x{r['speedup']:.2f}", flush=True)
     del copies
     return rows
 
@@ -245,7 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "kernels_h200.json"))
     ap.add_argument("--quick", action="store_true", help="target shapes and M in {1, 16, 512} only")
-    ap.add_argument("--sweep", action="store_true", help="also sweep Triton block sizes at the target shapes")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the tensor-core kernel's blocks at the targets")
+    ap.add_argument("--sweep-triton", action="store_true", help="also sweep Triton block sizes at the targets")
+    ap.add_argument("--floor", action="store_true", help="also time near-empty calls in the same harness")
+    ap.add_argument("--only-int8x", action="store_true", help="INT8-X rows only")
+    ap.add_argument("--ms", default=None, help="comma-separated M values (default: all, or 1,16,512 with --quick)")
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA extension kernels")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -269,22 +349,29 @@ def main(argv: list[str] | None = None) -> int:
             t = time.time()
             ternary_cuda.extension()
             print(f"CUDA extension ready in {time.time() - t:.0f} s", flush=True)
-            kernels += ["cuda_vec", "cuda_naive"]
+            kernels += ["cuda_mma", "cuda_dequant", "cuda_vec", "cuda_naive"]
     shapes = [(4096, 14336), (14336, 4096)] if args.quick else SHAPES
-    ms = [1, 16, 512] if args.quick else MS
-    result = dict(header=header, rows=[], sweep=[], int8x=[])
-    if args.sweep:
-        result["sweep"] = sweep(copy_gbps)
+    ms = [int(v) for v in args.ms.split(",")] if args.ms else [1, 16, 512] if args.quick else MS
+    result = dict(header=header, rows=[], sweep=[], int8x=[], floor=[])
+    if args.floor:
+        result["floor"] = floor_rows()
+    if args.sweep_triton:
+        result["sweep"] += sweep(copy_gbps)
+    if args.sweep and "cuda_mma" in kernels:
+        result["sweep"] += sweep_mma(copy_gbps)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    if args.only_int8x:
+        shapes = []
     for k, n in shapes:
         result["rows"] += bench_shape(k, n, ms, kernels, copy_gbps, "seed-article")
         out_path.write_text(json.dumps(result, indent=1))  # partial results survive a time limit
     # The BitNet layout (activation quantization, divide, tensor scale) at the two target shapes.
-    for k, n in [(4096, 14336), (14336, 4096)]:
+    for k, n in [] if args.only_int8x else [(4096, 14336), (14336, 4096)]:
         result["rows"] += bench_shape(k, n, [1, 16, 512], ["ternary"], copy_gbps, "hf-bitnet")
+        out_path.write_text(json.dumps(result, indent=1))
     if Path("kernels/int8x_ops.py").exists() and Path("kernels/int8x_triton.py").exists():
         try:
             result["int8x"] = int8x_rows(copy_gbps)

@@ -5,12 +5,15 @@
     torch.ops.vllm_parity.int8x_linear(x, b1, b2, l1, l2, l3, b1_blk, b2_blk, scale,
                                        n_rows, n_cols, block_size, backend) -> x @ W^T  (..., n_rows), x.dtype
 
-``backend`` is ``"torch"`` (pure torch, any device) or ``"triton"`` (kernels/int8x_triton.py: a GPU, or the
-CPU under ``TRITON_INTERPRET=1``). :func:`decode` and :func:`linear` pick it from their argument, else from
-``PARITY_KERNEL_BACKEND=triton|torch``, else triton for CUDA tensors and torch elsewhere.
+``backend`` is ``"torch"`` (pure torch, any device), ``"triton"`` (kernels/int8x_triton.py: a GPU, or the CPU
+under ``TRITON_INTERPRET=1``), ``"cuda"`` (kernels/int8x_cuda.py, csrc/int8x.cu: CUDA tensors, built with nvcc on
+first use) or ``"auto"``: cuda for CUDA tensors where nvcc can build it, else triton on CUDA, torch elsewhere.
+:func:`decode` and :func:`linear` pick it from their argument, else from
+``PARITY_KERNEL_BACKEND=torch|triton|cuda|auto``, else ``auto`` for CUDA tensors and torch elsewhere; the ops
+also accept ``"auto"`` and resolve it from their tensors' device.
 
-The shape comes in as Python ints and the scale stays a tensor, so neither implementation reads tensor values
-on the host or branches on them: both are safe under torch.compile and CUDA graphs. Validate the tensors once
+The shape comes in as Python ints and the scale stays a tensor, so no backend reads tensor values on the host
+or branches on them: all are safe under torch.compile and CUDA graphs. Validate the tensors once
 at load time (``references.int8x.decode_int8``); the ops trust them.
 """
 
@@ -22,7 +25,7 @@ import torch
 
 from references.formats import Int8xSpec
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "cuda", "auto")
 ENV_BACKEND = "PARITY_KERNEL_BACKEND"
 STREAMS = ("weight_b1", "weight_b2", "weight_l1", "weight_l2", "weight_l3", "weight_b1_blk", "weight_b2_blk",
            "weight_scale")
@@ -32,12 +35,23 @@ _TORCH_CHUNK_ELEMS = 1 << 20
 _MASK32 = 0xFFFFFFFF
 
 
+def _auto(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "torch"
+    from kernels import int8x_cuda
+
+    return "cuda" if int8x_cuda.available() else "triton"
+
+
 def resolve_backend(backend: str | None, device: torch.device) -> str:
-    chosen = backend or os.environ.get(ENV_BACKEND) or ("triton" if device.type == "cuda" else "torch")
+    """The concrete backend (never ``"auto"``) for tensors on ``device``."""
+    chosen = backend or os.environ.get(ENV_BACKEND) or ("auto" if device.type == "cuda" else "torch")
     if chosen not in BACKENDS:
         source = "backend argument" if backend else ENV_BACKEND
         raise ValueError(f"int8x: {source} = {chosen!r}, expected one of {BACKENDS}")
-    return chosen
+    if chosen == "cuda" and device.type != "cuda":
+        raise ValueError(f"int8x backend 'cuda' needs CUDA tensors, got {device}; use 'torch' or 'triton'")
+    return _auto(device) if chosen == "auto" else chosen
 
 
 # -- pure torch ---------------------------------------------------------------------------------
@@ -86,20 +100,25 @@ def _torch_decode_q(b1, b2, l1, l2, l3, b1_blk, b2_blk, n: int, block_size: int)
 # -- the ops ------------------------------------------------------------------------------------
 
 
-def _check_backend(backend: str) -> None:
+def _op_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"int8x op: backend {backend!r}, expected one of {BACKENDS}")
+    return _auto(device) if backend == "auto" else backend
 
 
 @torch.library.custom_op("vllm_parity::int8x_decode", mutates_args=())
 def int8x_decode(b1: torch.Tensor, b2: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, l3: torch.Tensor,
                  b1_blk: torch.Tensor, b2_blk: torch.Tensor, scale: torch.Tensor, n_rows: int, n_cols: int,
                  block_size: int, dtype: torch.dtype, backend: str) -> torch.Tensor:
-    _check_backend(backend)
+    backend = _op_backend(backend, b1.device)
     if backend == "triton":
         from kernels import int8x_triton
 
         return int8x_triton.decode(b1, b2, l1, l2, l3, b1_blk, b2_blk, scale, n_rows, n_cols, block_size, dtype)
+    if backend == "cuda":
+        from kernels import int8x_cuda
+
+        return int8x_cuda.decode(b1, b2, l1, l2, l3, b1_blk, b2_blk, scale, n_rows, n_cols, block_size, dtype)
     q = _torch_decode_q(b1, b2, l1, l2, l3, b1_blk, b2_blk, n_rows * n_cols, block_size)
     return (q.to(torch.float32) * scale.to(torch.float32)).to(dtype).reshape(n_rows, n_cols)
 
@@ -113,7 +132,7 @@ def _int8x_decode_fake(b1, b2, l1, l2, l3, b1_blk, b2_blk, scale, n_rows, n_cols
 def int8x_linear(x: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor,
                  l3: torch.Tensor, b1_blk: torch.Tensor, b2_blk: torch.Tensor, scale: torch.Tensor, n_rows: int,
                  n_cols: int, block_size: int, backend: str) -> torch.Tensor:
-    _check_backend(backend)
+    backend = _op_backend(backend, x.device)
     if x.shape[-1] != n_cols:
         raise ValueError(f"int8x_linear: x has {x.shape[-1]} input features, the weight ({n_rows}, {n_cols})")
     x2 = x.reshape(-1, n_cols)
@@ -121,6 +140,10 @@ def int8x_linear(x: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, l1: torch.
         from kernels import int8x_triton
 
         y = int8x_triton.linear(x2, b1, b2, l1, l2, l3, b1_blk, b2_blk, scale, n_rows, n_cols, block_size)
+    elif backend == "cuda":
+        from kernels import int8x_cuda
+
+        y = int8x_cuda.linear(x2, b1, b2, l1, l2, l3, b1_blk, b2_blk, scale, n_rows, n_cols, block_size)
     else:
         q = _torch_decode_q(b1, b2, l1, l2, l3, b1_blk, b2_blk, n_rows * n_cols, block_size)
         w = q.to(torch.float32).reshape(n_rows, n_cols)

@@ -1,4 +1,4 @@
-"""CUDA ternary kernels (``csrc/ternary.cu``): a naive one and a vectorized one.
+"""CUDA ternary kernels (``csrc/ternary.cu``): naive, vectorized, tensor-core (tiled layout), dequantize.
 
 Built with ``torch.utils.cpp_extension.load`` on first use only, so importing this module never
 compiles anything and works on machines without nvcc or a GPU.
@@ -7,49 +7,12 @@ compiles anything and works on machines without nvcc or a GPU.
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import threading
-from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("csrc") / "ternary.cu"
-_LOCK = threading.Lock()
-_EXT = None
+from kernels.cuda_build import LazyExtension, available  # noqa: F401  (available: re-exported)
 
-
-@functools.lru_cache(maxsize=None)
-def available() -> bool:
-    """A CUDA device and a CUDA compiler are present (the extension can be built); asked once."""
-    if not torch.cuda.is_available():
-        return False
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    return shutil.which("nvcc") is not None or (home is not None and Path(home, "bin", "nvcc").exists())
-
-
-def _arch_flags() -> list[str]:
-    major, minor = torch.cuda.get_device_capability()
-    cc = f"{major}{minor}"
-    # sm_90 machine code for the H100 / H200; another card gets its own.
-    return [f"-gencode=arch=compute_{cc},code=sm_{cc}"]
-
-
-def extension():
-    """The compiled extension, built (or loaded from torch's extension cache) on the first call."""
-    global _EXT
-    if _EXT is None:
-        with _LOCK:
-            if _EXT is None:
-                if not available():
-                    raise RuntimeError("ternary CUDA kernels need a CUDA GPU and nvcc")
-                from torch.utils.cpp_extension import load
-
-                _EXT = load(name="vllm_parity_ternary", sources=[str(_SOURCE)],
-                            extra_cflags=["-O3"],
-                            extra_cuda_cflags=["-O3", "-std=c++17", *_arch_flags()],
-                            verbose=os.environ.get("PARITY_CUDA_VERBOSE") == "1")
-    return _EXT
+extension = LazyExtension("vllm_parity_ternary", "ternary.cu", "ternary CUDA kernels")
 
 
 def ternary_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -60,3 +23,70 @@ def ternary_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, 
     if kernel == "vec" and x.stride(-1) != 1:
         x = x.contiguous()
     return extension().ternary_linear(x, qweight, scale, bias, k, group_size, act_quant, kernel == "vec")
+
+
+def mma_config(m: int, n: int, k: int) -> dict:
+    """Row tiles per block, token fragments, warps and loads in flight for the tensor-core kernel.
+
+    From the H200 sweeps in benchmarks/NOTES.md: up to 8 tokens, blocks of 16 warps and enough of them
+    to give each multiprocessor about two (fewer row tiles per block for small N); 9-16 tokens, about
+    four 128-input chunks per warp and a block per multiprocessor; above, 4 tiles per block.
+    """
+    sms = _num_sms()
+    nt, kc = -(-n // 16), -(-k // 128)
+
+    def tiles(min_blocks: float) -> int:
+        tn = 4
+        while tn > 1 and -(-nt // tn) < min_blocks:
+            tn //= 2
+        return tn
+
+    if m <= 8:
+        return {"tn": tiles(1.6 * sms), "mb": 1, "warps": max(1, min(16, kc // 2)), "loads": 4}
+    if m <= 16:
+        return {"tn": tiles(0.9 * sms), "mb": 2, "warps": max(1, min(16, kc // 4)), "loads": 4}
+    return {"tn": 4, "mb": 2, "warps": max(1, min(16, kc // 8)), "loads": 4}
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def _fit_instance(cfg: dict, group_size: int) -> dict:
+    """The nearest compiled instance: 8 loads in flight only for mb 1 without group scales, which also
+    allow no more than 2 tiles at mb 2."""
+    if cfg["mb"] != 1:
+        cfg["loads"] = 4
+    if group_size:
+        cfg["loads"] = 4
+        if cfg["mb"] == 2:
+            cfg["tn"] = min(cfg["tn"], 2)
+    return cfg
+
+
+def linear_mma(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
+               group_size: int, act_quant: bool, config: dict | None = None) -> torch.Tensor:
+    """``y = x @ W^T (+ bias)`` on the tiled layout with tensor cores; x fp16 or bf16 (M, K)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cfg = _fit_instance(dict(mma_config(x.shape[0], n, k), **(config or {})), group_size)
+    return extension().ternary_linear_mma(x, tiles, scale, bias, n, k, group_size, act_quant, cfg["tn"], cfg["mb"],
+                                          cfg["warps"], cfg["loads"])
+
+
+def dequant(qweight: torch.Tensor, scale: torch.Tensor, k: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The dense weight ``(N, K)`` in ``dtype``, scale folded in."""
+    out = torch.empty((qweight.shape[0], k), dtype=dtype, device=qweight.device)
+    return extension().ternary_dequant(qweight, scale, k, group_size, out)
+
+
+def linear_dequant(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, k: int,
+                   group_size: int, act_quant: bool) -> torch.Tensor:
+    """``y = x @ W^T (+ bias)`` through the dense weight and torch's GEMM (large M); fp16 / bf16 x."""
+    if act_quant:
+        raise ValueError("ternary kernel 'cuda_dequant' does not quantize activations; use cuda_vec or triton_mm")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"ternary kernel 'cuda_dequant' takes fp16 or bf16 x, got {x.dtype}")
+    w = dequant(qweight, scale, k, group_size, x.dtype)
+    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))

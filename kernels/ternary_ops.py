@@ -7,9 +7,12 @@ op is called.
 
 Backends (argument ``backend`` or env ``PARITY_KERNEL_BACKEND``): ``torch`` (pure torch, any
 device), ``triton`` (GPU, or the CPU through ``TRITON_INTERPRET=1``), ``cuda`` (``csrc/ternary.cu``),
-``auto`` (per M, the fastest measured on an H200, benchmarks/NOTES.md: the CUDA vectorized kernel
-for M <= 2 where nvcc can build it, the Triton tensor-core kernel above). Default: ``torch`` on the
+``auto`` (per M, the fastest measured on an H200, benchmarks/NOTES.md). Default: ``torch`` on the
 CPU, ``auto`` on CUDA.
+
+CUDA kernels: ``cuda_mma`` (tensor cores on the tiled layout, fp16 / bf16 activations, small M; needs
+``NativeTernary.tiles`` and group sizes that are multiples of 128), ``cuda_dequant`` (the dense
+weight once, then torch's GEMM: large M), ``cuda_vec`` (CUDA cores, any dtype), ``cuda_naive``.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ import torch
 from kernels.ternary_repack import NativeTernary, native_weight, repack, unpack_native  # noqa: F401
 
 BACKENDS = ("torch", "triton", "cuda", "auto")
-KERNELS = ("torch", "triton_gemv", "triton_mm", "cuda_naive", "cuda_vec")
+KERNELS = ("torch", "triton_gemv", "triton_mm", "cuda_naive", "cuda_vec", "cuda_mma", "cuda_dequant")
 
-# Largest M for which each backend runs its GEMV-shaped kernel (measured, benchmarks/NOTES.md).
+# M thresholds between kernels (measured on an H200, benchmarks/NOTES.md).
 TRITON_GEMV_MAX_M = 1
 AUTO_CUDA_VEC_MAX_M = 2
-CUDA_VEC_MAX_M = 1 << 30  # the CUDA backend has no tensor-core kernel
+MMA_MAX_M = 64
+DEQUANT_MIN_M = 384
 
 
 def _torch_impl(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -49,8 +53,12 @@ def _torch_impl(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bia
 
 @torch.library.custom_op("vllm_parity::ternary_linear", mutates_args=())
 def ternary_linear_op(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                      k: int, group_size: int, act_quant: bool, kernel: str) -> torch.Tensor:
-    """``y = x @ W^T (+ bias)`` for a 2-D ``x`` (M, K) and a native ternary weight (see ternary_repack)."""
+                      k: int, group_size: int, act_quant: bool, kernel: str,
+                      tiles: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = x @ W^T (+ bias)`` for a 2-D ``x`` (M, K) and a native ternary weight (see ternary_repack).
+
+    ``tiles`` is the tiled copy of the weight, needed by ``cuda_mma`` only.
+    """
     if kernel == "torch":
         return _torch_impl(x, qweight, scale, bias, k, group_size, act_quant)
     if kernel in ("triton_gemv", "triton_mm"):
@@ -61,11 +69,21 @@ def ternary_linear_op(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
         from kernels import ternary_cuda
 
         return ternary_cuda.ternary_linear(x, qweight, scale, bias, k, group_size, act_quant, kernel[5:])
+    if kernel == "cuda_mma":
+        from kernels import ternary_cuda
+
+        if tiles is None:
+            raise ValueError("ternary kernel 'cuda_mma' needs the tiled weight (NativeTernary.with_tiles())")
+        return ternary_cuda.linear_mma(x, tiles, scale, bias, qweight.shape[0], k, group_size, act_quant)
+    if kernel == "cuda_dequant":
+        from kernels import ternary_cuda
+
+        return ternary_cuda.linear_dequant(x, qweight, scale, bias, k, group_size, act_quant)
     raise ValueError(f"unknown ternary kernel {kernel!r}; expected one of {KERNELS}")
 
 
 @torch.library.register_fake("vllm_parity::ternary_linear")
-def _ternary_linear_fake(x, qweight, scale, bias, k, group_size, act_quant, kernel):
+def _ternary_linear_fake(x, qweight, scale, bias, k, group_size, act_quant, kernel, tiles=None):
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
@@ -85,19 +103,30 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
-def select_kernel(backend: str, m: int) -> str:
-    """The kernel a backend runs for ``m`` rows (a Python decision on the shape only)."""
+def mma_eligible(dtype: torch.dtype | None, group_size: int, tiled: bool) -> bool:
+    return tiled and dtype in (torch.float16, torch.bfloat16) and group_size % 128 == 0
+
+
+def select_kernel(backend: str, m: int, dtype: torch.dtype | None = None, group_size: int = 0,
+                  tiled: bool = False, act_quant: bool = False) -> str:
+    """The kernel a backend runs for ``m`` rows: a Python decision on shapes, dtypes and flags only."""
     if backend == "torch":
         return "torch"
     if backend == "triton":
         return "triton_gemv" if m <= TRITON_GEMV_MAX_M else "triton_mm"
-    if backend == "auto":
-        from kernels import ternary_cuda
+    from kernels import ternary_cuda
 
-        if m <= AUTO_CUDA_VEC_MAX_M and ternary_cuda.available():
-            return "cuda_vec"
-        return select_kernel("triton", m)
-    return "cuda_vec" if m <= CUDA_VEC_MAX_M else "cuda_naive"
+    cuda = backend == "cuda" or ternary_cuda.available()
+    half = dtype in (torch.float16, torch.bfloat16)
+    if cuda and m <= MMA_MAX_M and mma_eligible(dtype, group_size, tiled):
+        return "cuda_mma"
+    if cuda and m >= DEQUANT_MIN_M and half and not act_quant:
+        return "cuda_dequant"
+    if backend == "cuda":
+        return "cuda_vec"
+    if cuda and m <= AUTO_CUDA_VEC_MAX_M:
+        return "cuda_vec"
+    return select_kernel("triton", m)
 
 
 def ternary_linear(x: torch.Tensor, native: NativeTernary, bias: torch.Tensor | None = None,
@@ -106,7 +135,8 @@ def ternary_linear(x: torch.Tensor, native: NativeTernary, bias: torch.Tensor | 
     if x.shape[-1] != native.k:
         raise ValueError(f"x has {x.shape[-1]} input features, the ternary weight expects {native.k}")
     x2 = x.reshape(-1, native.k)
-    kernel = select_kernel(resolve_backend(backend, x.device), x2.shape[0])
+    kernel = select_kernel(resolve_backend(backend, x.device), x2.shape[0], x.dtype, native.group_size,
+                           native.tiles is not None, native.act_quant)
     y = torch.ops.vllm_parity.ternary_linear(x2, native.qweight, native.scale, bias, native.k,
-                                             native.group_size, native.act_quant, kernel)
+                                             native.group_size, native.act_quant, kernel, native.tiles)
     return y.reshape(*x.shape[:-1], native.n)

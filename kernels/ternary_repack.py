@@ -16,11 +16,15 @@ Native layout (:class:`NativeTernary`):
   G = K / group_size for group scales, already inverted for ``scale_mode = "divide"``.
 - ``group_size``: 0 for one scale per output channel, else the checkpoint's group size.
 - ``act_quant``: FORMATS.md ``activation_quant = "per_token_absmax_int8"``.
+- ``tiles`` (optional, CUDA tensor-core kernel): the same 2-bit fields regrouped so that one 16-byte
+  load per lane of a warp is that lane's whole share of an ``mma.m16n8k16`` A operand over a
+  ``(16 rows, 128 k)`` tile, and a tile is one contiguous 512-byte run (see :func:`pack_tiles`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 
@@ -30,6 +34,7 @@ from references.ternary import unpack_values
 
 WORD_CODES = 16  # 2-bit fields per int32 word
 FIELD_BIT = tuple(2 * (e // 2) + 16 * (e % 2) for e in range(WORD_CODES))
+TILE_N, TILE_K = 16, 128  # rows and inputs of one tile of the tiled layout
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class NativeTernary:
     k: int
     group_size: int  # 0: per output channel
     act_quant: bool
+    tiles: torch.Tensor | None = None  # int32 (ceil(N/16), ceil(K/128), 32, 4), see pack_tiles
 
     def __post_init__(self) -> None:
         kw = -(-self.k // WORD_CODES)
@@ -54,6 +60,13 @@ class NativeTernary:
                               f"{self.scale.dtype} {tuple(self.scale.shape)}")
         if self.qweight.device != self.scale.device:
             raise FormatError(f"native qweight on {self.qweight.device}, scale on {self.scale.device}")
+        if self.tiles is not None:
+            want = tiles_shape(self.n, self.k)
+            if self.tiles.dtype != torch.int32 or tuple(self.tiles.shape) != want or not self.tiles.is_contiguous():
+                raise FormatError(f"native tiles must be contiguous int32 {want}, got {self.tiles.dtype} "
+                                  f"{tuple(self.tiles.shape)}")
+            if self.tiles.device != self.qweight.device:
+                raise FormatError(f"native tiles on {self.tiles.device}, qweight on {self.qweight.device}")
 
     @property
     def device(self) -> torch.device:
@@ -61,10 +74,18 @@ class NativeTernary:
 
     @property
     def nbytes(self) -> int:
-        return self.qweight.numel() * 4 + self.scale.numel() * 4
+        tiles = 0 if self.tiles is None else self.tiles.numel() * 4
+        return self.qweight.numel() * 4 + self.scale.numel() * 4 + tiles
 
     def to(self, device: torch.device | str) -> "NativeTernary":
-        return replace(self, qweight=self.qweight.to(device), scale=self.scale.to(device))
+        tiles = None if self.tiles is None else self.tiles.to(device)
+        return replace(self, qweight=self.qweight.to(device), scale=self.scale.to(device), tiles=tiles)
+
+    def with_tiles(self) -> "NativeTernary":
+        """This weight with its tiled copy (for the CUDA tensor-core kernel), built on its device."""
+        if self.tiles is not None:
+            return self
+        return replace(self, tiles=tiles_from_native(self.qweight, self.k))
 
 
 def repack(packed: torch.Tensor, scale: torch.Tensor, spec: TernarySpec, n: int, k: int,
@@ -148,3 +169,76 @@ def _native_scale(scale: torch.Tensor, spec: TernarySpec, n: int, k: int, name: 
     if spec.scale_granularity == "tensor":
         return s.reshape(1, 1).expand(n, 1).contiguous()
     return s.reshape(n, -1).contiguous()  # (N, 1) per channel, (N, K / group_size) per group
+
+
+# -- tiled layout ------------------------------------------------------------------------------
+#
+# mma.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16"): lane l = 4 g + t holds A registers
+# r0 = (row g, cols 2t, 2t+1), r1 = (row g+8, same cols), r2 = (row g, cols 2t+8, 2t+9),
+# r3 = (row g+8, cols 2t+8, 2t+9), and B registers b0 = (rows 2t, 2t+1; col g), b1 = (rows 2t+8,
+# 2t+9; col g). A product over k is unchanged by any permutation of k applied to both operands, so
+# each 128-input chunk is permuted such that lane (g, t) meets inputs 32 t .. 32 t + 31 of the
+# chunk, in order, over the chunk's 8 k16 steps: step s, b0 = inputs 32 t + 4 s + {0, 1},
+# b1 = 32 t + 4 s + {2, 3}. The activations are then one contiguous 64-byte run per lane (four
+# 16-byte loads) and the weights one uint4 per lane: word j serves steps 2 j and 2 j + 1, its pair
+# field p = 4 (s % 2) + r holds register r of step s, the first element of the pair at bits
+# 2p..2p+1 and the second at 16+2p..17+2p, so ``(word << (14 - 2p)) & 0xC000C000`` is the half2
+# (fp16 or bf16) of +-2.0 / 0 that the MMA takes as that register.
+
+
+def tiles_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    return (-(-n // TILE_N), -(-k // TILE_K), 32, 4)
+
+
+@lru_cache(maxsize=None)
+def _tile_index() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row in tile, input in chunk and bit of every field: tensors of shape (lane 32, word 4, pair 8, half 2)."""
+    lane, word, pair, half = torch.meshgrid(torch.arange(32), torch.arange(4), torch.arange(8), torch.arange(2),
+                                            indexing="ij")
+    g, t = lane // 4, lane % 4
+    step, reg = 2 * word + pair // 4, pair % 4
+    row = g + 8 * (reg % 2)
+    col = 32 * t + 4 * step + 2 * (reg // 2) + half
+    bit = 2 * pair + 16 * half
+    return row, col, bit
+
+
+def pack_tiles(values: torch.Tensor) -> torch.Tensor:
+    """Ternary values ``(N, K)`` (entries in {-1, 0, 1}) -> int32 tiles ``(ceil(N/16), ceil(K/128), 32, 4)``.
+
+    Fields are 0b00 = 0, 0b01 = +1, 0b11 = -1 as in the row layout; padding rows and inputs are 0.
+    """
+    n, k = values.shape
+    nt, kc = -(-n // TILE_N), -(-k // TILE_K)
+    v = values.to(torch.int64)
+    field = (v != 0).to(torch.int64) | ((v < 0).to(torch.int64) << 1)
+    field = torch.nn.functional.pad(field, (0, kc * TILE_K - k, 0, nt * TILE_N - n))
+    field = field.reshape(nt, TILE_N, kc, TILE_K)
+    row, col, bit = (i.to(values.device) for i in _tile_index())
+    picked = field[:, row, :, col]  # (32, 4, 8, 2, NT, KC): advanced indices first
+    words = (picked << bit[..., None, None]).sum(dim=(2, 3))  # (32, 4, NT, KC), disjoint bits
+    words = words.permute(2, 3, 0, 1)
+    return (words - ((words >> 31) << 32)).to(torch.int32).contiguous()
+
+
+def unpack_tiles(tiles: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of :func:`pack_tiles`: int8 values ``(N, K)``."""
+    nt, kc = tiles.shape[:2]
+    row, col, bit = (i.to(tiles.device) for i in _tile_index())
+    words = tiles.to(torch.int64).permute(2, 3, 0, 1)  # (32, 4, NT, KC)
+    field = (words[:, :, None, None] >> bit[..., None, None]) & 3  # (32, 4, 8, 2, NT, KC)
+    values = (field & 1) * (1 - (field & 2))
+    out = torch.zeros(nt, TILE_N, kc, TILE_K, dtype=torch.int8, device=tiles.device)
+    out[:, row, :, col] = values.to(torch.int8)
+    return out.reshape(nt * TILE_N, kc * TILE_K)[:n, :k].contiguous()
+
+
+def tiles_from_native(qweight: torch.Tensor, k: int, rows_per_step: int = 1024) -> torch.Tensor:
+    """The tiled layout of a row-layout ``qweight``, built a slab of rows at a time (bounded temporaries)."""
+    n = qweight.shape[0]
+    out = torch.empty(tiles_shape(n, k), dtype=torch.int32, device=qweight.device)
+    for r0 in range(0, n, rows_per_step):  # rows_per_step is a multiple of TILE_N
+        slab = unpack_native(qweight[r0:r0 + rows_per_step], k)
+        t0 = r0 // TILE_N
+        out[t0:t0 + -(-slab.shape[0] // TILE_N)] = pack_tiles(slab)
+    return out

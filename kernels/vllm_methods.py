@@ -163,17 +163,8 @@ class LoadTracker:
 
 
 def int8x_backend(device: torch.device) -> str:
-    """``PARITY_KERNEL_BACKEND`` when set, else Triton on a GPU and the torch op elsewhere.
-
-    int8x has a torch and a Triton implementation only: ``cuda`` (the CUDA ternary kernels) selects
-    int8x's GPU kernel, Triton, and ``auto`` int8x's own default for the device.
-    """
-    chosen = os.environ.get(int8x_ops.ENV_BACKEND) or "auto"
-    if chosen == "auto":
-        chosen = "triton" if device.type == "cuda" else "torch"
-    elif chosen == "cuda":
-        chosen = "triton"
-    return int8x_ops.resolve_backend(chosen, device)
+    """``PARITY_KERNEL_BACKEND`` when set (shared with the ternary op), else int8x's own default for the device."""
+    return int8x_ops.resolve_backend(os.environ.get(int8x_ops.ENV_BACKEND) or "auto", device)
 
 
 def _release(layer: torch.nn.Module, names) -> None:
@@ -302,6 +293,9 @@ class TernaryLinearMethod(LinearMethodBase):
         layer.register_buffer("parity_scale", native.scale, persistent=False)
         layer.parity_group_size = native.group_size
         layer.parity_backend = ternary_ops.resolve_backend(None, packed.device)
+        # The tensor-core kernel's tiled copy (2 more bits per weight), where a CUDA kernel may run.
+        tiles = native.with_tiles().tiles if layer.parity_backend in ("cuda", "auto") else None
+        layer.register_buffer("parity_tiles", tiles, persistent=False)
         # A row-parallel rank sees only its slice of each token's features, but the per-token absmax
         # of activation_quant is over the whole row: such layers quantize here with the all-ranks max.
         layer.parity_global_act_quant = (native.act_quant and isinstance(layer, RowParallelLinear)
@@ -310,8 +304,9 @@ class TernaryLinearMethod(LinearMethodBase):
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, layer.parity_k)
-        # The kernel for this many rows, chosen on the shape alone (a Python int), never on values.
-        kernel = ternary_ops.select_kernel(layer.parity_backend, x2.shape[0])
+        # The kernel for this many rows, chosen on shapes, dtype and flags (Python values), never on tensor values.
+        kernel = ternary_ops.select_kernel(layer.parity_backend, x2.shape[0], x2.dtype, layer.parity_group_size,
+                                           layer.parity_tiles is not None, layer.parity_act_quant)
         if layer.parity_global_act_quant:
             xf = x2.to(torch.float32)
             amax = tensor_model_parallel_all_gather(xf.abs().amax(dim=-1, keepdim=True)).amax(dim=-1, keepdim=True)
@@ -327,7 +322,8 @@ class TernaryLinearMethod(LinearMethodBase):
 
 def _ternary_op(layer, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> torch.Tensor:
     return torch.ops.vllm_parity.ternary_linear(x2, layer.parity_qweight, layer.parity_scale, bias, layer.parity_k,
-                                                layer.parity_group_size, layer.parity_act_quant, kernel)
+                                                layer.parity_group_size, layer.parity_act_quant, kernel,
+                                                layer.parity_tiles)
 
 
 def _check_null_codes(tracker: LoadTracker, tensor: str, packed: torch.Tensor, spec: TernarySpec) -> None:

@@ -26,6 +26,8 @@ class KernelLinear(nn.Module):
             from kernels import ternary_ops
 
             self.native = ternary_ops.repack(ref.stored["packed"], ref.stored["scale"], ref.spec, n, k)
+            if self.native.device.type == "cuda":
+                self.native = self.native.with_tiles()  # for the tensor-core kernel
         elif isinstance(ref.spec, Int8xSpec):
             self.tensors = dict(ref.stored)
         else:

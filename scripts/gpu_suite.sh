@@ -2,6 +2,7 @@
 # On a GPU machine: the kernel op suite (gpu-marked and CPU tests of the kernel test files), then the
 # kernel benchmarks. Logs and JSON go to $OUT when set (else benchmarks/results). Installs nothing.
 #   bash scripts/gpu_suite.sh [--quick] [--sweep]     (extra arguments go to benchmarks/kernels.py)
+# PARITY_GPU_TESTS: test files (default: both kernel files); PARITY_GPU_K: a pytest -k expression.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
@@ -16,11 +17,27 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton._
 print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
 EOF
 
+# Build the CUDA extensions side by side first (each is one nvcc run), so the tests find them ready.
+"$py" - <<'EOF' 2>&1 | tee "$out/build.log"
+import concurrent.futures, importlib, importlib.util, time
+def build(name):
+    t = time.time()
+    mod = importlib.import_module(name)
+    if not mod.available():
+        return f"{name}: no nvcc or GPU"
+    mod.extension()
+    return f"{name}: built in {time.time() - t:.0f} s"
+names = [n for n in ("kernels.ternary_cuda", "kernels.int8x_cuda") if importlib.util.find_spec(n)]
+with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+    for line in pool.map(build, names):
+        print(line, flush=True)
+EOF
+
 tests=()
-for f in tests/test_ternary_kernels.py tests/test_int8x_kernels.py; do
+for f in ${PARITY_GPU_TESTS:-tests/test_ternary_kernels.py tests/test_int8x_kernels.py}; do
     [ -f "$f" ] && tests+=("$f")
 done
-"$py" -m pytest -p no:cacheprovider -m "gpu or not vllm" -q -rs --durations=15 \
+"$py" -m pytest -p no:cacheprovider -m "gpu or not vllm" -q -rs --durations=15 ${PARITY_GPU_K:+-k "$PARITY_GPU_K"} \
     --junitxml="$out/kernel_tests.xml" "${tests[@]}" 2>&1 | tee "$out/kernel_tests.log"
 test_rc=${PIPESTATUS[0]}
 

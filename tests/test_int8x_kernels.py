@@ -1,9 +1,10 @@
-"""Property tests of the int8x Triton kernels and custom ops against the fp64 reference codec.
+"""Property tests of the int8x Triton and CUDA kernels and custom ops against the fp64 reference codec.
 
 On a CPU the Triton kernels run through the interpreter (``TRITON_INTERPRET=1``, set here before the kernel
-module is imported when CUDA is absent); on a GPU they run compiled, and ``@pytest.mark.gpu`` tests add
-sync-free and CUDA-graph checks. Every output buffer is NaN-poisoned before the launch, so a lane a kernel
-forgets to write fails as non-finite rather than passing on stale memory.
+module is imported when CUDA is absent); on a GPU they run compiled, and ``@pytest.mark.gpu`` tests add the
+CUDA kernels (csrc/int8x.cu, where nvcc can build them) and sync-free and CUDA-graph checks. Every output
+buffer is NaN-poisoned before the launch, so a lane a kernel forgets to write fails as non-finite rather than
+passing on stale memory.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from kernels import int8x_cuda as kc  # noqa: E402
 from kernels import int8x_ops as ops  # noqa: E402
 from kernels import int8x_triton as kt  # noqa: E402
 from references import int8x  # noqa: E402
@@ -30,6 +32,8 @@ from references.formats import Int8xSpec  # noqa: E402
 TRITON_DEVICE = "cpu" if kt.interpreted() else ("cuda" if torch.cuda.is_available() else None)
 needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason="Triton needs CUDA or TRITON_INTERPRET=1")
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA_KERNELS = torch.cuda.is_available() and kc.available()
+requires_cuda_kernels = pytest.mark.skipif(not CUDA_KERNELS, reason="the int8x CUDA kernels need a CUDA GPU and nvcc")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # ||out - ref|| / ||ref|| bounds: a few units of each dtype's rounding (fp32 also covers fp32 accumulation
@@ -52,9 +56,9 @@ POOLS = {
 
 
 @st.composite
-def weights(draw, max_n: int = 6):
+def weights(draw, max_n: int = 6, block_sizes=BLOCK_SIZES):
     """(q, block_size): shapes biased towards block boundaries (K = bs, 2bs, bs +- 1, n = multiples of bs)."""
-    bs = draw(st.sampled_from(BLOCK_SIZES))
+    bs = draw(st.sampled_from(block_sizes))
     n_rows = draw(st.integers(1, max_n))
     n_cols = draw(st.one_of(st.integers(1, 3 * bs), st.sampled_from([bs, 2 * bs, bs - 1, bs + 1, 32, 31, 33])))
     mode = draw(st.sampled_from(["mixed", "mixed", "L1", "L2", "L3", "extremes"]))
@@ -69,9 +73,9 @@ def weights(draw, max_n: int = 6):
 
 
 @st.composite
-def activations(draw, n_cols: int, dtype: torch.dtype, device: str, allow_3d: bool = True):
-    """x of shape (M, K) or (B, T, K), contiguous or not; M in 1..16 (GEMV), sometimes more."""
-    m = draw(st.one_of(st.integers(1, 16), st.just(17)))
+def activations(draw, n_cols: int, dtype: torch.dtype, device: str, allow_3d: bool = True, max_m: int = 17):
+    """x of shape (M, K) or (B, T, K), contiguous or not; M in 1..16 (GEMV), sometimes 17..max_m."""
+    m = draw(st.one_of(st.integers(1, 16), st.integers(17, max_m)))
     layouts = ["contiguous", "transposed", "strided"] + (["3d", "3d-permuted"] if allow_3d else [])
     layout = draw(st.sampled_from(layouts))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
@@ -275,14 +279,23 @@ def test_compiles_without_graph_breaks():
 
 def test_backend_selection(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    gpu_default = "cuda" if kc.available() else "triton"
     monkeypatch.delenv(ops.ENV_BACKEND, raising=False)
     assert ops.resolve_backend(None, cpu) == "torch"
-    assert ops.resolve_backend(None, cuda) == "triton"
+    assert ops.resolve_backend(None, cuda) == gpu_default, "auto: cuda where nvcc builds it, else triton"
+    assert ops.resolve_backend("auto", cpu) == "torch"
+    assert ops.resolve_backend("cuda", cuda) == "cuda"
     monkeypatch.setenv(ops.ENV_BACKEND, "triton")
     assert ops.resolve_backend(None, cpu) == "triton"
     assert ops.resolve_backend("torch", cpu) == "torch", "the argument must win over the environment"
+    monkeypatch.setenv(ops.ENV_BACKEND, "auto")
+    assert ops.resolve_backend(None, cpu) == "torch"
+    assert ops.resolve_backend(None, cuda) == gpu_default
     monkeypatch.setenv(ops.ENV_BACKEND, "cuda")
-    with pytest.raises(ValueError, match="PARITY_KERNEL_BACKEND = 'cuda'"):
+    with pytest.raises(ValueError, match="'cuda' needs CUDA tensors, got cpu"):
+        ops.resolve_backend(None, cpu)
+    monkeypatch.setenv(ops.ENV_BACKEND, "numpy")
+    with pytest.raises(ValueError, match="PARITY_KERNEL_BACKEND = 'numpy'"):
         ops.resolve_backend(None, cpu)
     with pytest.raises(ValueError, match="backend argument = 'numpy'"):
         ops.resolve_backend("numpy", cpu)
@@ -292,10 +305,43 @@ def test_op_rejects_unknown_backend_and_wrong_k():
     q = torch.ones(2, 40, dtype=torch.int8)
     enc, spec, _ = _reference(q, 32)
     streams = _streams(enc, "cpu")
-    with pytest.raises(ValueError, match="backend 'cuda'"):
-        torch.ops.vllm_parity.int8x_decode(*streams, 2, 40, 32, torch.float32, "cuda")
+    with pytest.raises(ValueError, match="backend 'numpy'"):
+        torch.ops.vllm_parity.int8x_decode(*streams, 2, 40, 32, torch.float32, "numpy")
     with pytest.raises(ValueError, match="x has 39 input features, the weight \\(2, 40\\)"):
         torch.ops.vllm_parity.int8x_linear(torch.ones(1, 39), *streams, 2, 40, 32, "torch")
+
+
+def test_op_auto_backend_on_cpu_runs_torch():
+    q = torch.randint(-128, 128, (3, 40), dtype=torch.int8, generator=torch.Generator().manual_seed(6))
+    enc, _, w64 = _reference(q, 32)
+    streams = _streams(enc, "cpu")
+    w = torch.ops.vllm_parity.int8x_decode(*streams, 3, 40, 32, torch.float32, "auto")
+    assert_rel_close(w, w64, DECODE_BOUND[torch.float32], "int8x_decode auto on cpu")
+    x = torch.randn(2, 40)
+    y = torch.ops.vllm_parity.int8x_linear(x, *streams, 3, 40, 32, "auto")
+    assert_rel_close(y, _linear_ref(x, w64), LINEAR_BOUND[torch.float32], "int8x_linear auto on cpu")
+
+
+def test_cuda_module_imports_without_compiling():
+    assert kc.extension.module is None, "importing kernels.int8x_cuda must not build the extension"
+    if not torch.cuda.is_available():
+        assert not kc.available()
+        with pytest.raises(RuntimeError, match="need a CUDA GPU and nvcc"):
+            kc.extension()
+
+
+def test_cuda_backend_on_cpu_tensors_is_a_clear_error():
+    q = torch.ones(2, 40, dtype=torch.int8)
+    enc, spec, _ = _reference(q, 32)
+    streams = _streams(enc, "cpu")
+    # Rejected before anything is built, whether or not this machine could build the kernels.
+    with pytest.raises(ValueError, match="int8x cuda kernels need CUDA tensors, got cpu"):
+        torch.ops.vllm_parity.int8x_decode(*streams, 2, 40, 32, torch.float32, "cuda")
+    with pytest.raises(ValueError, match="int8x cuda kernels need CUDA tensors, got cpu"):
+        torch.ops.vllm_parity.int8x_linear(torch.ones(3, 40), *streams, 2, 40, 32, "cuda")
+    with pytest.raises(ValueError, match="int8x backend 'cuda' needs CUDA tensors, got cpu"):
+        ops.linear(torch.ones(3, 40), enc, (2, 40), spec, backend="cuda")
+    assert kc.extension.module is None
 
 
 # -- GPU only -----------------------------------------------------------------------------------
@@ -303,7 +349,7 @@ def test_op_rejects_unknown_backend_and_wrong_k():
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch", pytest.param("cuda", marks=requires_cuda_kernels)])
 @pytest.mark.parametrize("n_rows, n_cols, bs", [(512, 4096, 1024), (300, 1000, 1024), (257, 96, 64)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_ops_large_and_sync_free(backend, n_rows, n_cols, bs, dtype):
@@ -329,7 +375,7 @@ def test_gpu_ops_large_and_sync_free(backend, n_rows, n_cols, bs, dtype):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch", pytest.param("cuda", marks=requires_cuda_kernels)])
 def test_gpu_linear_cuda_graph(backend):
     q = torch.randint(-128, 128, (256, 2048), dtype=torch.int8, generator=torch.Generator().manual_seed(4))
     enc, spec, w64 = _reference(q, 1024)
@@ -347,3 +393,170 @@ def test_gpu_linear_cuda_graph(backend):
     graph.replay()
     torch.cuda.synchronize()
     assert_rel_close(y, _linear_ref(x, w64), LINEAR_BOUND[torch.float16] * 4, f"cuda-graph replay {backend}")
+
+
+# -- the CUDA kernels (GPU and nvcc) ------------------------------------------------------------
+
+CUDA_BLOCK_SIZES = [32, 64, 96, 1024, 2048]  # 2048: warp steps that start inside a block
+
+
+@pytest.mark.gpu
+@requires_cuda_kernels
+@settings(**SETTINGS)
+@given(qb=weights(block_sizes=CUDA_BLOCK_SIZES), dtype=st.sampled_from(DTYPES))
+def test_cuda_decode(qb, dtype):
+    q, bs = qb
+    enc, _, w64 = _reference(q, bs)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
+    kc.decode(*_streams(enc, "cuda"), *q.shape, bs, out=out)
+    assert_rel_close(out, w64, DECODE_BOUND[dtype], f"cuda decode {tuple(q.shape)} bs={bs} {dtype}")
+
+
+@pytest.mark.gpu
+@requires_cuda_kernels
+@settings(**SETTINGS)
+@given(qb=weights(block_sizes=CUDA_BLOCK_SIZES), dtype=st.sampled_from(DTYPES), data=st.data())
+def test_cuda_linear(qb, dtype, data):
+    q, bs = qb
+    enc, _, w64 = _reference(q, bs)
+    x, layout = data.draw(activations(q.shape[1], dtype, "cuda", allow_3d=False, max_m=40), label="x")
+    out = torch.full((x.shape[0], q.shape[0]), float("nan"), dtype=dtype, device="cuda")
+    kc.linear(x, *_streams(enc, "cuda"), *q.shape, bs, out=out)
+    # K reaches 3 * 2048 here: fp32 accumulation over more terms than the CPU cases.
+    assert_rel_close(out, _linear_ref(x, w64), LINEAR_BOUND[dtype] * 4,
+                     f"cuda linear W{tuple(q.shape)} bs={bs} x{tuple(x.shape)} {layout} {dtype}")
+
+
+def _laplace_int8(n_rows: int, n_cols: int, seed: int, b: float = 5.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(n_rows, n_cols, generator=g, dtype=torch.float64) - 0.5
+    v = -b * torch.sign(u) * torch.log1p(-2 * u.abs())
+    return v.round().clamp(-128, 127).to(torch.int8)
+
+
+@pytest.mark.gpu
+@requires_cuda_kernels
+@pytest.mark.parametrize("fill", ["all_l3", "all_l1", "all_l2", "laplace"])
+@pytest.mark.parametrize("n_rows, n_cols, bs", [
+    (3, 1024, 1024),  # one block per row
+    (5, 3072, 1024),  # rows of several warp steps: counts carried along the row
+    (7, 1000, 1024),  # K % bs != 0 (and K % 32 != 0): blocks and words straddle rows
+    (9, 1056, 1024),  # K % 32 == 0, K % bs != 0: rows start inside blocks
+    (4, 100, 1024),  # K < bs: every row inside the first block
+    (6, 96, 32),  # the smallest block
+    (3, 31, 32),  # K < 32: words hold several rows
+    (2, 4096, 2048),  # warp steps that start in the middle of a block
+])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_kernels_edge_shapes(fill, n_rows, n_cols, bs, dtype):
+    if fill == "all_l3":
+        q = torch.full((n_rows, n_cols), -128, dtype=torch.int8)
+        q[:, ::3] = 127
+        q[:, 1::7] = 16
+    elif fill == "all_l1":
+        q = torch.randint(-3, 4, (n_rows, n_cols), dtype=torch.int8, generator=torch.Generator().manual_seed(8))
+    elif fill == "all_l2":
+        q = torch.randint(4, 16, (n_rows, n_cols), dtype=torch.int8, generator=torch.Generator().manual_seed(9))
+        q[:, ::2] *= -1
+    else:
+        q = _laplace_int8(n_rows, n_cols, seed=10)
+    enc, _, w64 = _reference(q, bs)
+    streams = _streams(enc, "cuda")
+    what = f"{fill} W({n_rows}, {n_cols}) bs={bs} {dtype}"
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
+    kc.decode(*streams, n_rows, n_cols, bs, out=out)
+    assert_rel_close(out, w64, DECODE_BOUND[dtype], f"cuda decode {what}")
+    g = torch.Generator().manual_seed(11)
+    for m in (1, 2, 3, 5, 8, 13, 16, 17, 40):
+        x = torch.randn(m, n_cols, generator=g).to("cuda", dtype)
+        y = torch.full((m, n_rows), float("nan"), dtype=dtype, device="cuda")
+        kc.linear(x, *streams, n_rows, n_cols, bs, out=y)
+        assert_rel_close(y, _linear_ref(x, w64), LINEAR_BOUND[dtype] * 4, f"cuda linear M={m} {what}")
+
+
+@pytest.mark.gpu
+@requires_cuda_kernels
+def test_cuda_linear_strides_and_out():
+    q = _laplace_int8(70, 2048, seed=12)
+    enc, _, w64 = _reference(q, 1024)
+    streams = _streams(enc, "cuda")
+    base = torch.randn(6, 2 * 2048, device="cuda", dtype=torch.bfloat16)
+    ref = None
+    for x in (base[:, ::2], base[:, 5:5 + 2048], base[:, :2048].t().contiguous().t(), base[:, :2048]):
+        y = kc.linear(x, *streams, 70, 2048, 1024)
+        ref = _linear_ref(x, w64)
+        assert y.dtype == torch.bfloat16
+        assert_rel_close(y, ref, LINEAR_BOUND[torch.bfloat16] * 4, f"cuda linear x strides {x.stride()}")
+    # out of another dtype and with a column stride: written where it points, rounded to its dtype.
+    out = torch.full((70, 6), float("nan"), device="cuda").t()
+    kc.linear(base[:, :2048], *streams, 70, 2048, 1024, out=out)
+    assert_rel_close(out, ref, LINEAR_BOUND[torch.float32] * 4, "cuda linear into a transposed fp32 out")
+    # A misaligned decode target goes through a bounce buffer.
+    flat = torch.full((70 * 2048 + 1,), float("nan"), device="cuda", dtype=torch.float16)
+    w = flat[1:].view(70, 2048)
+    kc.decode(*streams, 70, 2048, 1024, out=w)
+    assert_rel_close(w, w64, DECODE_BOUND[torch.float16], "cuda decode into a misaligned out")
+
+
+@pytest.mark.gpu
+@requires_cuda_kernels
+def test_cuda_rejects_bad_arguments():
+    q = torch.ones(2, 40, dtype=torch.int8)
+    enc, _, _ = _reference(q, 32)
+    streams = _streams(enc, "cuda")
+    with pytest.raises(ValueError, match=r"out must be contiguous \(2, 40\)"):
+        kc.decode(*streams, 2, 40, 32, out=torch.empty(40, 2, device="cuda").t())
+    with pytest.raises(ValueError, match=r"x must be \(M, 40\)"):
+        kc.linear(torch.ones(3, 39, device="cuda"), *streams, 2, 40, 32)
+    with pytest.raises(ValueError, match="b1 has 3 words, expected ceil\\(n/32\\) = 4"):
+        kc.decode(*streams, 2, 64, 32)
+    with pytest.raises(ValueError, match="block_size must be a positive multiple of 32"):
+        kc.linear(torch.ones(3, 40, device="cuda"), *streams, 2, 40, 48)
+    bad = list(streams)
+    bad[0] = bad[0].to(torch.int64)
+    with pytest.raises(ValueError, match="b1 must be torch.int32, got torch.int64"):
+        kc.decode(*bad, 2, 40, 32)
+
+
+@pytest.mark.gpu
+@requires_cuda_kernels
+@pytest.mark.parametrize("op", ["int8x_decode", "int8x_linear"])
+@pytest.mark.parametrize("backend", ["cuda", "auto"])
+def test_cuda_opcheck(op, backend):
+    q = torch.randint(-128, 128, (3, 70), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
+    q[:, ::2] //= 40  # mix in L1 and L2
+    enc, _, _ = _reference(q, 32)
+    streams = _streams(enc, "cuda")
+    if op == "int8x_decode":
+        args = (*streams, 3, 70, 32, torch.float16, backend)
+    else:
+        args = (torch.randn(2, 5, 70, device="cuda"), *streams, 3, 70, 32, backend)
+    torch.library.opcheck(getattr(torch.ops.vllm_parity, op), args)
+
+
+@pytest.mark.gpu
+@requires_cuda_kernels
+@pytest.mark.parametrize("m", [1, 16, 20])
+def test_cuda_graph_capture_and_replay(m):
+    q = _laplace_int8(300, 4096, seed=13)
+    enc, spec, w64 = _reference(q, 1024)
+    dev = {s: t.cuda() for s, t in enc.items()}
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # build and warm up on the side stream, as capture needs
+        ops.linear(x, dev, (300, 4096), spec, backend="cuda")
+        ops.decode(dev, (300, 4096), spec, dtype=torch.bfloat16, backend="cuda")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = ops.linear(x, dev, (300, 4096), spec, backend="cuda")
+        w = ops.decode(dev, (300, 4096), spec, dtype=torch.bfloat16, backend="cuda")
+    for seed in range(2):
+        x.copy_(torch.randn(m, 4096, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16))
+        y.fill_(float("nan"))
+        w.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_rel_close(y, _linear_ref(x, w64), LINEAR_BOUND[torch.bfloat16] * 4, f"cuda-graph replay {seed} M={m}")
+        assert_rel_close(w, w64, DECODE_BOUND[torch.bfloat16], f"cuda-graph replay decode {seed}")

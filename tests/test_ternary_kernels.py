@@ -35,7 +35,8 @@ from references.formats import PRESETS, TernarySpec
 from references.ternary import decode, pack_codes, unpack_values
 
 from kernels import ternary_cuda, ternary_ops, ternary_triton
-from kernels.ternary_repack import NativeTernary, native_weight, repack
+from kernels.ternary_repack import (NativeTernary, native_weight, pack_native, pack_tiles, repack, tiles_from_native,
+                                    tiles_shape, unpack_tiles)
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -165,8 +166,12 @@ def shaped(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x
 
 
-def check(out: torch.Tensor, built: dict, case: dict, what: str) -> None:
-    """||out - ref|| within the bound, no NaN where ref is finite; messages name the worst element."""
+def check(out: torch.Tensor, built: dict, case: dict, what: str, weight_rounding: bool = False) -> None:
+    """||out - ref|| within the bound, no NaN where ref is finite; messages name the worst element.
+
+    ``weight_rounding``: the weight (scale folded in) was rounded to the output dtype first, and the
+    GEMM library may reduce in it: one more unit roundoff per term on top of the accumulation.
+    """
     ref, spec = built["ref"], case["spec"]
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
     assert out.dtype == case["dtype"], f"{what}: dtype {out.dtype}, expected {case['dtype']}"
@@ -180,6 +185,8 @@ def check(out: torch.Tensor, built: dict, case: dict, what: str) -> None:
     k = case["k"]
     u_out = UNIT_ROUNDOFF[case["dtype"]]
     eps_acc = (k + 2) * 2.0 ** -24 + 2.0 ** -20  # fp32 accumulation over K, plus tf32x3 operand splits
+    if weight_rounding:
+        eps_acc += 2 * u_out
     err = o - ref
     bound = (1.01 * u_out * ref.norm() + eps_acc * built["magnitude"].norm() + built["slack"].norm()).item()
     err_norm = err.norm().item()
@@ -209,9 +216,10 @@ def run_kernel(kernel: str, x: torch.Tensor, native: NativeTernary, bias, poison
         out = torch.full((m, native.n), float("nan"), dtype=x.dtype, device=x.device) if poison else None
         return ternary_triton.ternary_linear(x, native.qweight, native.scale, bias, native.k, native.group_size,
                                              native.act_quant, kernel[7:], out=out, **kw)
+    tiles = native.with_tiles().tiles if kernel == "cuda_mma" else None
     with poisoned_empty():
         return ternary_ops.ternary_linear_op(x, native.qweight, native.scale, bias, native.k,
-                                             native.group_size, native.act_quant, kernel)
+                                             native.group_size, native.act_quant, kernel, tiles, **kw)
 
 
 class poisoned_empty:
@@ -229,8 +237,22 @@ class poisoned_empty:
         torch.utils.deterministic.fill_uninitialized_memory = self.prev[2]
 
 
+def eligible(kernel: str, case: dict) -> bool:
+    """Whether a kernel takes this case (the others are chosen for it by ternary_ops.select_kernel)."""
+    half = case["dtype"] in (torch.float16, torch.bfloat16)
+    spec = case["spec"]
+    if kernel == "cuda_mma":
+        group = spec.group_size if spec.scale_granularity == "group" and spec.group_size < case["k"] else 0
+        return ternary_ops.mma_eligible(case["dtype"], group, True)
+    if kernel == "cuda_dequant":
+        return half and spec.activation_quant is None
+    return True
+
+
 def run_case(case: dict, kernel: str, device: str) -> None:
     built = build(case, device)
+    if kernel == "cuda_mma":
+        built["native"] = built["native"].with_tiles()
     x = built["x"]
     what = f"{kernel} on {device}"
     if case["layout"] == "3d":
@@ -247,7 +269,13 @@ def run_case(case: dict, kernel: str, device: str) -> None:
         out = out.reshape(m, case["n"])
     else:
         out = run_kernel(kernel, shaped(x, case["layout"]), built["native"], built["bias"])
-    check(out, built, case, what)
+    check(out, built, case, what, weight_rounding=kernel == "cuda_dequant" or out_of_dequant(case))
+
+
+def out_of_dequant(case: dict) -> bool:
+    """The public entry point (3-D cases) may itself pick the dense-weight kernel."""
+    return (case["layout"] == "3d" and case["m"] >= ternary_ops.DEQUANT_MIN_M and CUDA
+            and eligible("cuda_dequant", case))
 
 
 HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -393,13 +421,27 @@ def test_kernel_choice_is_by_shape_only():
     large = ternary_ops.select_kernel("triton", 4096)
     assert large == "triton_mm", f"large M must take the tensor-core kernel, got {large}"
     assert small in ("triton_gemv", "triton_mm")
+    half = torch.float16
     assert ternary_ops.select_kernel("cuda", 1) == "cuda_vec"
+    assert ternary_ops.select_kernel("cuda", 1, half, 0, tiled=True) == "cuda_mma"
+    assert ternary_ops.select_kernel("cuda", 1, half, 0, tiled=False) == "cuda_vec"
+    assert ternary_ops.select_kernel("cuda", 16, torch.bfloat16, 256, tiled=True) == "cuda_mma"
+    assert ternary_ops.select_kernel("cuda", 16, half, 64, tiled=True) == "cuda_vec", "group 64 is not mma's"
+    assert ternary_ops.select_kernel("cuda", 8, torch.float32, 0, tiled=True) == "cuda_vec"
+    assert ternary_ops.select_kernel("cuda", 4096, half) == "cuda_dequant"
+    assert ternary_ops.select_kernel("cuda", 4096, half, act_quant=True) == "cuda_vec"
     assert ternary_ops.select_kernel("auto", 4096) == "triton_mm"
-    assert ternary_ops.select_kernel("auto", 1) == ("cuda_vec" if ternary_cuda.available() else small)
+    if ternary_cuda.available():
+        assert ternary_ops.select_kernel("auto", 1) == "cuda_vec"
+        assert ternary_ops.select_kernel("auto", 1, half, 0, tiled=True) == "cuda_mma"
+        assert ternary_ops.select_kernel("auto", 4096, half) == "cuda_dequant"
+    else:
+        assert ternary_ops.select_kernel("auto", 1, half, 0, tiled=True) == small
+        assert ternary_ops.select_kernel("auto", 4096, half) == "triton_mm"
 
 
 def test_cuda_module_imports_without_compiling():
-    assert ternary_cuda._EXT is None, "importing kernels.ternary_cuda must not build the extension"
+    assert ternary_cuda.extension.module is None, "importing kernels.ternary_cuda must not build the extension"
     if not CUDA:
         assert not ternary_cuda.available()
         with pytest.raises(RuntimeError, match="CUDA GPU"):
@@ -407,10 +449,80 @@ def test_cuda_module_imports_without_compiling():
 
 
 # --------------------------------------------------------------------------------------------
+# tiled layout of the tensor-core kernel
+
+
+@settings(max_examples=60, **HYP)
+@given(n=st.integers(1, 70), k=st.integers(1, 300), seed=st.integers(0, 2 ** 31 - 1))
+def test_tiles_roundtrip(n, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randint(-1, 2, (n, k), generator=gen)
+    tiles = pack_tiles(values)
+    assert tuple(tiles.shape) == tiles_shape(n, k) and tiles.dtype == torch.int32
+    assert torch.equal(unpack_tiles(tiles, n, k), values.to(torch.int8)), "unpack_tiles(pack_tiles(v)) != v"
+    assert torch.equal(tiles_from_native(pack_native(values), k, rows_per_step=32), tiles), \
+        "tiles built from the row layout in slabs differ from tiles built from the values"
+
+
+def _mma_emulated(tiles: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x @ W^T computed the way the CUDA kernel does, from the PTX ISA's mma.m16n8k16 fragment layout.
+
+    Lane l = 4 g + t: A registers (row g | g+8, cols 2t.. | 2t+8..), B registers (rows 2t.. | 2t+8..,
+    col g), each a pair of consecutive columns / rows, the lower half first.
+    """
+    nt, kc = tiles.shape[:2]
+    m = x.shape[0]
+    xp = torch.nn.functional.pad(x, (0, kc * 128 - x.shape[1]))
+    y = torch.zeros(m, nt * 16, dtype=torch.float64)
+    words = tiles.to(torch.int64) & 0xFFFFFFFF
+    for tile in range(nt):
+        for c in range(kc):
+            for step in range(8):
+                a = torch.zeros(16, 16, dtype=torch.float64)
+                b = torch.zeros(16, 8, dtype=torch.float64)
+                for lane in range(32):
+                    g, t = divmod(lane, 4)
+                    word = int(words[tile, c, lane, step // 2])
+                    for reg in range(4):
+                        pair = 4 * (step % 2) + reg
+                        row, col = g + 8 * (reg % 2), 2 * t + 8 * (reg // 2)
+                        for half in range(2):
+                            # the kernel's decode: field on bits 14..15 of the half, read as +-2.0 / 0
+                            f = (word >> (2 * pair + 16 * half)) & 3
+                            a[row, col + half] = 2.0 * (f & 1) * (1 - (f & 2))
+                    if g < m:
+                        base = c * 128 + 32 * t + 4 * step
+                        b[2 * t:2 * t + 2, g] = xp[g, base:base + 2]
+                        b[2 * t + 8:2 * t + 10, g] = xp[g, base + 2:base + 4]
+                y[:, tile * 16:tile * 16 + 16] += (a @ b)[:, :m].t()
+    return 0.5 * y
+
+
+@pytest.mark.parametrize("n, k", [(16, 128), (33, 300), (5, 4)])
+def test_tiles_feed_mma_fragments(n, k):
+    """The tiled layout, read through the mma fragment layout as the CUDA kernel reads it, is x @ W^T."""
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    values = torch.randint(-1, 2, (n, k), generator=gen)
+    x = torch.randn(3, k, generator=gen, dtype=torch.float64)
+    y = _mma_emulated(pack_tiles(values), x)[:, :n]
+    ref = x @ values.to(torch.float64).t()
+    assert torch.allclose(y, ref, atol=1e-12), f"max |err| {(y - ref).abs().max().item()}"
+
+
+def test_native_rejects_bad_tiles():
+    nat = repack(pack_codes(torch.zeros(8, 32, dtype=torch.int64), PRESETS["seed-article"]),
+                 torch.ones(8), PRESETS["seed-article"], 8, 32)
+    assert nat.with_tiles().tiles.shape == tiles_shape(8, 32)
+    with pytest.raises(FormatError, match="tiles must be contiguous int32"):
+        NativeTernary(qweight=nat.qweight, scale=nat.scale, n=8, k=32, group_size=0, act_quant=False,
+                      tiles=torch.zeros(1, 1, 32, 3, dtype=torch.int32))
+
+
+# --------------------------------------------------------------------------------------------
 # GPU
 
 
-GPU_KERNELS = ["triton_gemv", "triton_mm", "cuda_naive", "cuda_vec"]
+GPU_KERNELS = ["triton_gemv", "triton_mm", "cuda_naive", "cuda_vec", "cuda_mma", "cuda_dequant"]
 
 
 @pytest.mark.gpu
@@ -419,6 +531,9 @@ GPU_KERNELS = ["triton_gemv", "triton_mm", "cuda_naive", "cuda_vec"]
 @settings(max_examples=int(os.environ.get("PARITY_GPU_EXAMPLES", "60")), **HYP)
 @given(case=cases(max_m=300, max_n=520, max_k=1100))
 def test_gpu_kernels_match_reference(kernel, case):
+    assume(eligible(kernel, case))
+    if kernel == "cuda_mma":
+        assume(case["m"] <= 40)
     if kernel == "cuda_naive":
         assume(case["m"] * case["n"] * case["k"] <= 20_000_000)
     run_case(case, kernel, "cuda")
@@ -431,11 +546,15 @@ def test_gpu_kernels_match_reference(kernel, case):
 def test_gpu_kernels_model_shapes(kernel, m, n, k):
     for i, (spec, dtype) in enumerate([(PRESETS["seed-article"], torch.float16),
                                        (PRESETS["hf-bitnet"], torch.bfloat16),
-                                       (TernarySpec(scale_granularity="group", group_size=8), torch.bfloat16)]):
+                                       (TernarySpec(scale_granularity="group", group_size=8), torch.bfloat16),
+                                       (TernarySpec(scale_granularity="group", group_size=256), torch.float16)]):
         case = dict(spec=spec, m=m, n=n, k=k, dtype=dtype, scale_dtype=torch.bfloat16, weights="random",
                     activations="normal", layout="contiguous", bias=i == 0, seed=11 + i)
+        if not eligible(kernel, case) or spec.scale_granularity == "group" and k % spec.group_size:
+            continue
         built = build(case, "cuda")
-        check(run_kernel(kernel, built["x"], built["native"], built["bias"]), built, case, f"{kernel} {spec}")
+        check(run_kernel(kernel, built["x"], built["native"], built["bias"]), built, case, f"{kernel} {spec}",
+              weight_rounding=kernel == "cuda_dequant")
 
 
 @pytest.mark.gpu
@@ -446,6 +565,7 @@ def test_gpu_split_k_and_graphs(backend):
     case = dict(spec=PRESETS["seed-article"], m=4, n=1024, k=4096, dtype=torch.float16, scale_dtype=torch.float16,
                 weights="random", activations="normal", layout="contiguous", bias=True, seed=5)
     built = build(case, "cuda")
+    built["native"] = built["native"].with_tiles()  # cuda and auto take the tensor-core kernel at M = 4
     x = built["x"].clone()
     static_out = ternary_ops.ternary_linear(x, built["native"], built["bias"], backend=backend)  # warm up / build
     torch.cuda.synchronize()
@@ -461,15 +581,55 @@ def test_gpu_split_k_and_graphs(backend):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("kernel", ["triton_mm", "triton_gemv", "cuda_vec"])
+@pytest.mark.parametrize("kernel", ["triton_mm", "triton_gemv", "cuda_vec", "cuda_mma", "cuda_dequant"])
 def test_gpu_opcheck(kernel):
-    case = dict(spec=PRESETS["hf-bitnet"], m=5, n=64, k=96, dtype=torch.bfloat16, scale_dtype=torch.bfloat16,
+    spec = PRESETS["seed-article"] if kernel == "cuda_dequant" else PRESETS["hf-bitnet"]
+    case = dict(spec=spec, m=5, n=64, k=96, dtype=torch.bfloat16, scale_dtype=torch.bfloat16,
                 weights="random", activations="normal", layout="contiguous", bias=True, seed=13)
     built = build(case, "cuda")
-    nat = built["native"]
+    nat = built["native"].with_tiles()
     torch.library.opcheck(torch.ops.vllm_parity.ternary_linear.default,
                           (built["x"], nat.qweight, nat.scale, built["bias"], nat.k, nat.group_size,
-                           nat.act_quant, kernel))
+                           nat.act_quant, kernel, nat.tiles))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kernel", ["cuda_vec", "cuda_naive", "triton_gemv", "triton_mm", "cuda_dequant"])
+def test_gpu_group_scales_never_read_past_the_row(kernel):
+    """K = 4 pads to a 16-weight word: the padding's scale index must not run past the scale tensor,
+    whose neighbour here is NaN (a zero weight times NaN is NaN)."""
+    spec = TernarySpec(scale_granularity="group", group_size=1)
+    case = dict(spec=spec, m=1, n=1, k=4, dtype=torch.bfloat16, scale_dtype=torch.float32, weights="random",
+                activations="normal", layout="contiguous", bias=False, seed=0)
+    built = build(case, "cuda")
+    nat = built["native"]
+    buf = torch.full((nat.scale.numel() + 64,), float("nan"), device="cuda")
+    buf[:nat.scale.numel()] = nat.scale.reshape(-1)
+    nat = NativeTernary(qweight=nat.qweight, scale=buf[:nat.scale.numel()].view(nat.scale.shape), n=nat.n,
+                        k=nat.k, group_size=nat.group_size, act_quant=nat.act_quant)
+    check(run_kernel(kernel, built["x"], nat, None), built, case, f"{kernel} K=4 group 1",
+          weight_rounding=kernel == "cuda_dequant")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tn", [1, 2, 4])
+@pytest.mark.parametrize("mb, loads", [(1, 4), (1, 8), (2, 4)])
+@pytest.mark.parametrize("warps", [1, 3, 16])
+def test_gpu_mma_every_instance(tn, mb, loads, warps):
+    """Every compiled instance and odd warp counts: ragged N, K, M, group scales."""
+    for i, (m, n, k, spec) in enumerate([(1, 200, 1000, PRESETS["seed-article"]), (9, 44, 4096, PRESETS["hf-bitnet"]),
+                                         (20, 130, 640, TernarySpec(scale_granularity="group", group_size=128)),
+                                         (40, 77, 2304, TernarySpec(scale_granularity="group", group_size=256))]):
+        case = dict(spec=spec, m=m, n=n, k=k, dtype=(torch.float16, torch.bfloat16)[i % 2],
+                    scale_dtype=torch.float32, weights="random", activations="normal", layout="contiguous",
+                    bias=i != 1, seed=100 + i)
+        built = build(case, "cuda")
+        nat = built["native"].with_tiles()
+        out = ternary_cuda.linear_mma(built["x"], nat.tiles, nat.scale, built["bias"], n, k, nat.group_size,
+                                      nat.act_quant, config=dict(tn=tn, mb=mb, loads=loads, warps=warps))
+        check(out, built, case, f"cuda_mma tn={tn} mb={mb} loads={loads} warps={warps}")
 
 
 @pytest.mark.gpu

@@ -15,16 +15,12 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "dtypes.cuh"
+
 namespace {
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+using parity::from_f;
+using parity::to_f;
 
 __host__ __device__ constexpr int field_bit(int e) { return 2 * (e >> 1) + 16 * (e & 1); }
 
@@ -146,7 +142,9 @@ vec_kernel(const T* __restrict__ x, int64_t sxm, const int32_t* __restrict__ qw,
         if (MODE == 0)
           acc[r] = fmaf(field_f32(word[r], e), xe, acc[r]);
         else
-          acc[r] = fmaf(field_f32(word[r], e) * scale_at<MODE>(scale, min(n0 + r, N - 1), G, GS, kw * 16 + e),
+          // Padding past K has zero weights but no scale: read the last real one, never past the row.
+          acc[r] = fmaf(field_f32(word[r], e) *
+                            scale_at<MODE>(scale, min(n0 + r, N - 1), G, GS, min(kw * 16 + e, K - 1)),
                         xe, acc[r]);
       }
     }
@@ -182,7 +180,7 @@ void launch(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor
   if (act_quant) {
     xq = torch::empty({M, K}, x.options());
     sxt = torch::empty({M}, x.options().dtype(torch::kFloat32));
-    act_quant_kernel<T><<<M, 256, 0, stream>>>(xp, sxm, sxk, reinterpret_cast<T*>(xq.data_ptr()),
+    act_quant_kernel<T><<<M, 1024, 0, stream>>>(xp, sxm, sxk, reinterpret_cast<T*>(xq.data_ptr()),
                                                 sxt.data_ptr<float>(), K);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     xp = reinterpret_cast<const T*>(xq.data_ptr());
@@ -213,6 +211,353 @@ void launch(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor
     C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   kern<<<grid, 32 * VEC_WARPS, smem, stream>>>(xp, sxm, qp, sp, bias, sxp, yp, M, N, K, KW, G, GS);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core kernel for small M on the tiled layout (kernels/ternary_repack.py, pack_tiles):
+// tiles int32 (NT, KC, 32, 4); tile (nt, c) covers rows 16 nt.. and inputs 128 c.., one uint4 per
+// lane, 512 contiguous bytes per warp. A block owns TN consecutive row tiles and MB * 8 tokens; its
+// warps split the chunks of K (warp w takes c = w, w + W, ...) and add their partial sums in shared
+// memory at the end. Lane (g, t) of a warp meets inputs 128 c + 32 t .. + 31 of tokens g (+ 8 mb),
+// read as four 16-byte loads; each uint4 of weights decodes to the A registers of 8 k16 steps with a
+// shift and an AND per register (+-2.0 / 0 half2), against an fp32 accumulator: one instruction per
+// two weights besides the MMAs, so the kernel streams the 2-bit weights at memory speed.
+constexpr int TILE_N = 16, TILE_K = 128;
+
+// d += a * b for one m16n8k16 tile, fp32 accumulators; PTX_T names T in the instruction.
+template <typename T> struct MmaOp;
+#define PARITY_MMA_OP(T, PTX_T)                                                                             \
+  template <> struct MmaOp<T> {                                                                             \
+    static __device__ __forceinline__ void run(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,          \
+                                               uint32_t a3, uint32_t b0, uint32_t b1) {                        \
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_T "." PTX_T ".f32 {%0,%1,%2,%3}, "           \
+                   "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                                \
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                            \
+                   : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));                                    \
+    }                                                                                                         \
+  };
+PARITY_MMA_OP(__half, "f16")
+PARITY_MMA_OP(__nv_bfloat16, "bf16")
+#undef PARITY_MMA_OP
+
+// Streamed once: no L1 allocation, and a 256-byte L2 fetch so DRAM sees whole bursts.
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+template <int P> __device__ __forceinline__ uint32_t pair_bits(uint32_t w) { return (w << (14 - 2 * P)) & 0xC000C000u; }
+
+// The 64-byte run of activations of one lane for chunk c (zeros past K or past M).
+template <typename T>
+__device__ __forceinline__ void load_x(uint4 (&xv)[4], const T* __restrict__ x, int64_t sxm, int m, int M, int K,
+                                       int k0, bool vec) {
+  if (m >= M) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) xv[q] = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  const T* row = x + (int64_t)m * sxm;
+  if (vec && k0 + 32 <= K) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) xv[q] = __ldg(reinterpret_cast<const uint4*>(row + k0) + q);
+    return;
+  }
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    uint16_t h[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int k = k0 + 8 * q + i;
+      h[i] = k < K ? __ldg(reinterpret_cast<const uint16_t*>(row) + k) : (uint16_t)0;
+    }
+    xv[q] = make_uint4(h[0] | (uint32_t)h[1] << 16, h[2] | (uint32_t)h[3] << 16, h[4] | (uint32_t)h[5] << 16,
+                       h[6] | (uint32_t)h[7] << 16);
+  }
+}
+
+template <typename T, int TN, int MB>
+__device__ __forceinline__ void mma_chunk(float (&acc)[TN][MB][4], const uint4 (&wq)[TN], const uint4 (&xv)[MB][4]) {
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+#pragma unroll
+    for (int i = 0; i < TN; ++i) {
+      const uint32_t w = s < 2 ? wq[i].x : s < 4 ? wq[i].y : s < 6 ? wq[i].z : wq[i].w;
+      uint32_t a0, a1, a2, a3;
+      if (s & 1) {
+        a0 = pair_bits<4>(w); a1 = pair_bits<5>(w); a2 = pair_bits<6>(w); a3 = pair_bits<7>(w);
+      } else {
+        a0 = pair_bits<0>(w); a1 = pair_bits<1>(w); a2 = pair_bits<2>(w); a3 = pair_bits<3>(w);
+      }
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb) {
+        const uint4& q = xv[mb][s >> 1];
+        const uint32_t b0 = (s & 1) ? q.z : q.x, b1 = (s & 1) ? q.w : q.y;
+        MmaOp<T>::run(acc[i][mb], a0, a1, a2, a3, b0, b1);
+      }
+    }
+  }
+}
+
+// Block of the tensor-core kernel: TN row tiles x MB * 8 tokens. Each iteration a warp requests L
+// weight uint4 per lane (U = L / TN chunks of its TN tiles, L * 512 bytes per warp) before decoding
+// the first; B fragments come from global memory (x is small and stays in L2).
+template <typename T, int TN, int MB, int L, bool GROUP>
+__global__ void __launch_bounds__(512)
+mma_kernel(const T* __restrict__ x, int64_t sxm, const uint4* __restrict__ tiles, const float* __restrict__ scale,
+           const float* __restrict__ bias, const float* __restrict__ sx, T* __restrict__ y, int M, int N, int K,
+           int NT, int KC, int G, int GS, bool xvec) {
+  extern __shared__ float red[];
+  constexpr int U = L / TN > 0 ? L / TN : 1;  // chunks per iteration
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int nt0 = blockIdx.x * TN;
+  const int m0 = blockIdx.y * MB * 8;
+  constexpr int SLOTS = TN * MB * 4;
+  // Output (n, m) of epilogue index idx = slot * 32 + lane of the C fragments: c0, c1 = (row g,
+  // cols 2t, 2t+1), c2, c3 = (row g+8, same cols); rows are n, cols tokens.
+  auto epilogue_nm = [nt0, m0](int idx) {
+    const int slot = idx >> 5, l = idx & 31;
+    const int r = slot & 3, mb = (slot >> 2) % MB, i = (slot >> 2) / MB;
+    return make_int2((nt0 + i) * TILE_N + (l >> 2) + 8 * (r >> 1), m0 + mb * 8 + 2 * (l & 3) + (r & 1));
+  };
+  float acc[TN][MB][4];
+#pragma unroll
+  for (int i = 0; i < TN; ++i)
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][mb][r] = 0.f;
+
+  for (int c0 = warp; c0 < KC; c0 += nwarps * U) {
+    uint4 wq[U][TN];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * nwarps;
+#pragma unroll
+      for (int i = 0; i < TN; ++i)
+        wq[u][i] = c < KC && nt0 + i < NT ? load_stream(tiles + ((int64_t)(nt0 + i) * KC + c) * 32 + lane)
+                                          : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * nwarps;
+      if (c >= KC) break;
+      uint4 xv[MB][4];
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb) load_x<T>(xv[mb], x, sxm, m0 + mb * 8 + g, M, K, c * TILE_K + 32 * t, xvec);
+      if (GROUP) {
+        // GS is a multiple of TILE_K: the whole chunk shares one scale per row.
+        float part[TN][MB][4];
+#pragma unroll
+        for (int i = 0; i < TN; ++i)
+#pragma unroll
+          for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) part[i][mb][r] = 0.f;
+        mma_chunk<T, TN, MB>(part, wq[u], xv);
+        const int grp = c * TILE_K / GS;
+#pragma unroll
+        for (int i = 0; i < TN; ++i) {
+          const int n_lo = (nt0 + i) * TILE_N + g, n_hi = n_lo + 8;
+          const float s_lo = n_lo < N ? __ldg(scale + (int64_t)n_lo * G + grp) : 0.f;
+          const float s_hi = n_hi < N ? __ldg(scale + (int64_t)n_hi * G + grp) : 0.f;
+#pragma unroll
+          for (int mb = 0; mb < MB; ++mb) {
+            acc[i][mb][0] = fmaf(part[i][mb][0], s_lo, acc[i][mb][0]);
+            acc[i][mb][1] = fmaf(part[i][mb][1], s_lo, acc[i][mb][1]);
+            acc[i][mb][2] = fmaf(part[i][mb][2], s_hi, acc[i][mb][2]);
+            acc[i][mb][3] = fmaf(part[i][mb][3], s_hi, acc[i][mb][3]);
+          }
+        }
+      } else {
+        mma_chunk<T, TN, MB>(acc, wq[u], xv);
+      }
+    }
+  }
+
+  // Sum the warps' partials: red[warp][slot][lane], slot = (i * MB + mb) * 4 + r.
+#pragma unroll
+  for (int i = 0; i < TN; ++i)
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) red[((warp * SLOTS) + (i * MB + mb) * 4 + r) * 32 + lane] = acc[i][mb][r];
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < SLOTS * 32; idx += blockDim.x) {
+    float v = 0.f;
+    for (int w = 0; w < nwarps; ++w) v += red[w * SLOTS * 32 + idx];
+    const int2 nm = epilogue_nm(idx);
+    const int n = nm.x, m = nm.y;
+    if (n >= N || m >= M) continue;
+    v *= 0.5f;  // the decoded weights are +-2
+    if (!GROUP) v *= scale[(int64_t)n * G];
+    if (sx) v = __fdiv_rn(v, sx[m]);
+    if (bias) v += bias[n];
+    y[(int64_t)m * N + n] = from_f<T>(v);
+  }
+}
+
+template <typename T, int TN, int MB, int L, bool GROUP>
+void launch_mma_cfg(const T* xp, int64_t sxm, const torch::Tensor& tiles, const torch::Tensor& scale,
+                    const float* bias, const float* sxp, T* yp, int M, int N, int K, int G, int GS, bool xvec,
+                    int warps, cudaStream_t stream) {
+  const int NT = tiles.size(0), KC = tiles.size(1);
+  dim3 grid((NT + TN - 1) / TN, (M + MB * 8 - 1) / (MB * 8));
+  const int smem = warps * TN * MB * 4 * 32 * (int)sizeof(float);
+  auto kern = mma_kernel<T, TN, MB, L, GROUP>;
+  if (smem > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  kern<<<grid, 32 * warps, smem, stream>>>(xp, sxm, reinterpret_cast<const uint4*>(tiles.data_ptr<int32_t>()),
+                                           scale.data_ptr<float>(), bias, sxp, yp, M, N, K, NT, KC, G, GS, xvec);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_mma(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scale, const float* bias,
+                torch::Tensor& y, int N, int K, int group_size, bool act_quant, int tn, int mb, int warps, int loads) {
+  const int M = x.size(0), G = scale.size(1);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  int64_t sxm = x.stride(0);
+  torch::Tensor xq, sxt;
+  const float* sxp = nullptr;
+  if (act_quant) {
+    xq = torch::empty({M, K}, x.options());
+    sxt = torch::empty({M}, x.options().dtype(torch::kFloat32));
+    act_quant_kernel<T><<<M, 1024, 0, stream>>>(xp, sxm, x.stride(1), reinterpret_cast<T*>(xq.data_ptr()),
+                                                sxt.data_ptr<float>(), K);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    xp = reinterpret_cast<const T*>(xq.data_ptr());
+    sxm = K;
+    sxp = sxt.data_ptr<float>();
+  }
+  const bool xvec = (reinterpret_cast<uintptr_t>(xp) & 15) == 0 && (sxm * (int64_t)sizeof(T)) % 16 == 0;
+  const bool group = group_size > 0;
+  const int GS = group ? group_size : 1;
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
+#define PARITY_MMA(TN_, MB_, L_, GROUP_)                                                                        \
+  if (tn == TN_ && mb == MB_ && loads == L_ && group == GROUP_)                                                 \
+    return launch_mma_cfg<T, TN_, MB_, L_, GROUP_>(xp, sxm, tiles, scale, bias, sxp, yp, M, N, K, G, GS, xvec,   \
+                                                   warps, stream);
+  PARITY_MMA(1, 1, 4, false) PARITY_MMA(2, 1, 4, false) PARITY_MMA(4, 1, 4, false)
+  PARITY_MMA(1, 1, 8, false) PARITY_MMA(2, 1, 8, false) PARITY_MMA(4, 1, 8, false)
+  PARITY_MMA(1, 2, 4, false) PARITY_MMA(2, 2, 4, false) PARITY_MMA(4, 2, 4, false)
+  // Group scales need a second accumulator: fewer instances, the registers allow no more.
+  PARITY_MMA(1, 1, 4, true) PARITY_MMA(2, 1, 4, true) PARITY_MMA(4, 1, 4, true)
+  PARITY_MMA(1, 2, 4, true) PARITY_MMA(2, 2, 4, true)
+#undef PARITY_MMA
+  TORCH_CHECK(false, "ternary mma kernel: no instance for tn=", tn, " mb=", mb, " loads=", loads);
+}
+
+torch::Tensor ternary_linear_mma(torch::Tensor x, torch::Tensor tiles, torch::Tensor scale,
+                                 c10::optional<torch::Tensor> bias, int64_t n, int64_t k, int64_t group_size,
+                                 bool act_quant, int64_t tn, int64_t mb, int64_t warps, int64_t loads) {
+  TORCH_CHECK(x.is_cuda() && tiles.is_cuda() && scale.is_cuda(), "ternary mma kernel needs CUDA tensors");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1, "x must be (M, K=", k, ") contiguous along K");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat16 || x.scalar_type() == torch::kBFloat16,
+              "ternary mma kernel: x must be fp16 or bf16, got ", x.scalar_type());
+  TORCH_CHECK(tiles.scalar_type() == torch::kInt32 && tiles.is_contiguous() && tiles.dim() == 4 &&
+                  tiles.size(0) == (n + TILE_N - 1) / TILE_N && tiles.size(1) == (k + TILE_K - 1) / TILE_K &&
+                  tiles.size(2) == 32 && tiles.size(3) == 4,
+              "tiles must be contiguous int32 (ceil(N/16), ceil(K/128), 32, 4) for N=", n, " K=", k);
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.size(0) == n,
+              "scale must be contiguous fp32 (N, G)");
+  TORCH_CHECK(group_size == 0 || group_size % TILE_K == 0, "ternary mma kernel: group size ", group_size,
+              " is not a multiple of ", TILE_K);
+  TORCH_CHECK(warps >= 1 && warps <= 16, "warps must be 1..16");
+  const c10::cuda::CUDAGuard guard(x.device());
+  torch::Tensor bias_f;
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    bias_f = bias->to(torch::kFloat32).contiguous();
+    bp = bias_f.data_ptr<float>();
+  }
+  auto y = torch::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0 || n == 0) return y;
+  if (x.scalar_type() == torch::kFloat16)
+    launch_mma<__half>(x, tiles, scale, bp, y, (int)n, (int)k, (int)group_size, act_quant, (int)tn, (int)mb,
+                       (int)warps, (int)loads);
+  else
+    launch_mma<__nv_bfloat16>(x, tiles, scale, bp, y, (int)n, (int)k, (int)group_size, act_quant, (int)tn, (int)mb,
+                              (int)warps, (int)loads);
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dense weight in x's dtype from the row layout, scale folded in (for large M, where a tensor-core
+// GEMM library on the dense weight outruns decoding inside the GEMM): a thread per word.
+template <typename T>
+__global__ void dequant_kernel(const int32_t* __restrict__ qw, const float* __restrict__ scale, T* __restrict__ w,
+                               int N, int K, int KW, int G, int GS) {
+  const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (int64_t)N * KW) return;
+  const int n = (int)(idx / KW), kw = (int)(idx % KW);
+  const uint32_t word = (uint32_t)__ldg(qw + idx);
+  T* out = w + (int64_t)n * K + kw * 16;
+  const int k0 = kw * 16;
+  if (k0 + 16 <= K && (K % 8) == 0) {
+    __align__(16) T v[16];
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      const float s = scale[(int64_t)n * G + (G == 1 ? 0 : (k0 + e) / GS)];
+      v[e] = from_f<T>(0.5f * field_f32(word, e) * s);
+    }
+    reinterpret_cast<uint4*>(out)[0] = reinterpret_cast<const uint4*>(v)[0];
+    if (sizeof(T) == 2) reinterpret_cast<uint4*>(out)[1] = reinterpret_cast<const uint4*>(v)[1];
+    else {
+      reinterpret_cast<uint4*>(out)[1] = reinterpret_cast<const uint4*>(v)[1];
+      reinterpret_cast<uint4*>(out)[2] = reinterpret_cast<const uint4*>(v)[2];
+      reinterpret_cast<uint4*>(out)[3] = reinterpret_cast<const uint4*>(v)[3];
+    }
+    return;
+  }
+  for (int e = 0; e < 16 && k0 + e < K; ++e) {
+    const float s = scale[(int64_t)n * G + (G == 1 ? 0 : (k0 + e) / GS)];
+    out[e] = from_f<T>(0.5f * field_f32(word, e) * s);
+  }
+}
+
+torch::Tensor ternary_dequant(torch::Tensor qweight, torch::Tensor scale, int64_t k, int64_t group_size,
+                              torch::Tensor w) {
+  TORCH_CHECK(qweight.is_cuda() && scale.is_cuda(), "ternary dequant needs CUDA tensors");
+  TORCH_CHECK(qweight.scalar_type() == torch::kInt32 && qweight.dim() == 2 && qweight.is_contiguous() &&
+                  qweight.size(1) == (k + 15) / 16,
+              "qweight must be contiguous int32 (N, ceil(K/16))");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.size(0) == qweight.size(0),
+              "scale must be contiguous fp32 (N, G)");
+  const c10::cuda::CUDAGuard guard(qweight.device());
+  const int N = qweight.size(0), KW = qweight.size(1), G = scale.size(1);
+  TORCH_CHECK(w.is_cuda() && w.is_contiguous() && w.dim() == 2 && w.size(0) == N && w.size(1) == k,
+              "dequant output must be contiguous (N, K)");
+  const auto dtype = w.scalar_type();
+  const int64_t total = (int64_t)N * KW;
+  if (total == 0) return w;
+  const int threads = 256;
+  const int blocks = (int)((total + threads - 1) / threads);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int GS = group_size > 0 ? (int)group_size : 1;
+  const int32_t* qp = qweight.data_ptr<int32_t>();
+  const float* sp = scale.data_ptr<float>();
+  switch (dtype) {
+    case torch::kFloat16:
+      dequant_kernel<__half><<<blocks, threads, 0, stream>>>(qp, sp, reinterpret_cast<__half*>(w.data_ptr()), N,
+                                                              (int)k, KW, G, GS);
+      break;
+    case torch::kBFloat16:
+      dequant_kernel<__nv_bfloat16><<<blocks, threads, 0, stream>>>(
+          qp, sp, reinterpret_cast<__nv_bfloat16*>(w.data_ptr()), N, (int)k, KW, G, GS);
+      break;
+    case torch::kFloat32:
+      dequant_kernel<float><<<blocks, threads, 0, stream>>>(qp, sp, w.data_ptr<float>(), N, (int)k, KW, G, GS);
+      break;
+    default: TORCH_CHECK(false, "dequant dtype must be fp16, bf16 or fp32, got ", dtype);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return w;
 }
 
 torch::Tensor ternary_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
@@ -250,4 +595,9 @@ torch::Tensor ternary_linear(torch::Tensor x, torch::Tensor qweight, torch::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ternary_linear", &ternary_linear, "ternary linear (naive or vectorized)", py::arg("x"), py::arg("qweight"),
         py::arg("scale"), py::arg("bias"), py::arg("k"), py::arg("group_size"), py::arg("act_quant"), py::arg("vec"));
+  m.def("ternary_linear_mma", &ternary_linear_mma, "ternary linear on the tiled layout (tensor cores, small M)",
+        py::arg("x"), py::arg("tiles"), py::arg("scale"), py::arg("bias"), py::arg("n"), py::arg("k"),
+        py::arg("group_size"), py::arg("act_quant"), py::arg("tn"), py::arg("mb"), py::arg("warps"), py::arg("loads"));
+  m.def("ternary_dequant", &ternary_dequant, "dense weight (scale folded) from the row layout", py::arg("qweight"),
+        py::arg("scale"), py::arg("k"), py::arg("group_size"), py::arg("out"));
 }

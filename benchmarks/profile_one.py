@@ -1,0 +1,37 @@
+"""Run one ternary kernel a few times on a target shape, for a profiler (ncu) to attach to.
+
+    ncu --clock-control none -k regex:mma_kernel -c 1 python3 benchmarks/profile_one.py cuda_mma 4096 14336 1
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+import torch  # noqa: E402
+
+from references.formats import PRESETS  # noqa: E402
+from references.ternary import pack_values  # noqa: E402
+from kernels import ternary_ops  # noqa: E402
+from kernels.ternary_repack import repack  # noqa: E402
+
+
+def main(argv: list[str]) -> int:
+    kernel, k, n, m = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    spec = PRESETS["seed-article"]
+    values = torch.randint(-1, 2, (n, k), generator=torch.Generator().manual_seed(0))
+    nat = repack(pack_values(values, spec).cuda(), torch.rand(n).cuda() + 0.5, spec, n, k).with_tiles()
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    for _ in range(3):
+        ternary_ops.ternary_linear_op(x, nat.qweight, nat.scale, None, k, nat.group_size, nat.act_quant, kernel,
+                                      nat.tiles)
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

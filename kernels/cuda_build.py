@@ -1,0 +1,59 @@
+"""The CUDA extensions (``csrc/*.cu``), built with ``torch.utils.cpp_extension.load`` on first use.
+
+Importing a kernel module never compiles anything, so the package imports on machines without nvcc or a
+GPU; the first call that needs a kernel builds it (or loads it from torch's extension cache).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).with_name("csrc")
+
+
+@torch.compiler.assume_constant_result  # compiled callers see a constant, not a file-system probe
+def available() -> bool:
+    """A CUDA device and a CUDA compiler are present (the extensions can be built); asked once."""
+    return _probe()
+
+
+@functools.lru_cache(maxsize=None)
+def _probe() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    return shutil.which("nvcc") is not None or (home is not None and Path(home, "bin", "nvcc").exists())
+
+
+def arch_flags() -> list[str]:
+    """Machine code for the current card (sm_90 on the H100 / H200), so its own instructions are used."""
+    major, minor = torch.cuda.get_device_capability()
+    return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
+
+
+class LazyExtension:
+    """One ``csrc`` source as a Python module, built on the first call; ``module`` stays None until then."""
+
+    def __init__(self, name: str, source: str, what: str):
+        self.name, self.source, self.what = name, CSRC / source, what
+        self.module = None
+        self._lock = threading.Lock()
+
+    def __call__(self):
+        if self.module is None:
+            with self._lock:
+                if self.module is None:
+                    if not available():
+                        raise RuntimeError(f"{self.what} need a CUDA GPU and nvcc")
+                    from torch.utils.cpp_extension import load
+
+                    self.module = load(name=self.name, sources=[str(self.source)], extra_cflags=["-O3"],
+                                       extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags()],
+                                       verbose=os.environ.get("PARITY_CUDA_VERBOSE") == "1")
+        return self.module
