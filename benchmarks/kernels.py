@@ -183,6 +183,22 @@ def floor_rows() -> list[dict]:
     return rows
 
 
+def time_candidates(kernel: str, k: int, n: int, m: int, cands: list, calls: int, **extra) -> list[dict]:
+    """Graph-time each ``(config, fn)``; a failing candidate is reported and skipped. Prints the best."""
+    rows = []
+    for cfg, fn in cands:
+        try:
+            us = graph_us(fn, calls, reps=7)
+        except Exception as exc:
+            print(f"  sweep {kernel} K={k} N={n} M={m} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}",
+                  file=sys.stderr)
+            continue
+        rows.append(dict(kernel=kernel, K=k, N=n, M=m, config=cfg, median_us=round(us, 3), **extra))
+    best = min(rows, key=lambda r: r["median_us"], default=None)
+    print(f"  best {kernel} K={k} N={n} M={m}: {best}", flush=True)
+    return rows
+
+
 def sweep_mma(copy_gbps: float) -> list[dict]:
     """Row tiles per block and warps per block of the tensor-core kernel at the target shapes."""
     from kernels import ternary_cuda
@@ -193,7 +209,7 @@ def sweep_mma(copy_gbps: float) -> list[dict]:
         natives, next_native = rotating(lambda: repack_copy(base), base.nbytes)
         for m in (1, 16, 32, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            best = None
+            cands = []
             for tn, warps, loads in itertools.product((1, 2, 4), (4, 8, 16), (4, 8)):
                 if loads == 8 and m > 8:
                     continue
@@ -203,18 +219,9 @@ def sweep_mma(copy_gbps: float) -> list[dict]:
                     nat = next_native()
                     return ternary_cuda.linear_mma(x, nat.tiles, nat.scale, None, nat.n, nat.k, nat.group_size,
                                                    nat.act_quant, config=cfg)
-                try:
-                    us = graph_us(fn, len(natives), reps=7)
-                except Exception as exc:
-                    print(f"  sweep mma K={k} N={n} M={m} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}",
-                          file=sys.stderr)
-                    continue
-                row = dict(kernel="cuda_mma", K=k, N=n, M=m, config=cfg, median_us=round(us, 3),
-                           default=ternary_cuda.mma_config(m, n, k))
-                out.append(row)
-                if best is None or us < best["median_us"]:
-                    best = row
-            print(f"  best mma K={k} N={n} M={m}: {best}", flush=True)
+                cands.append((cfg, fn))
+            out += time_candidates("cuda_mma", k, n, m, cands, len(natives),
+                                   default=ternary_cuda.mma_config(m, n, k))
         del natives
     return out
 
@@ -240,7 +247,7 @@ def sweep(copy_gbps: float) -> list[dict]:
                                  (512, "mm", mm_large)]:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             splits = [None, 1, 2, 4, 8, 16] if kernel == "mm" and m <= 16 else [None]
-            best = None
+            timed = []
             for cfg, split in itertools.product(cands, splits):
                 cfg = dict(cfg)
                 if split is not None:
@@ -250,17 +257,8 @@ def sweep(copy_gbps: float) -> list[dict]:
                     nat = next_native()
                     return ternary_triton.ternary_linear(x, nat.qweight, nat.scale, None, nat.k, nat.group_size,
                                                          nat.act_quant, kernel, config=cfg)
-                try:
-                    us = graph_us(fn, len(natives), reps=7)
-                except Exception as exc:
-                    print(f"  sweep {kernel} K={k} N={n} M={m} {cfg}: FAILED {type(exc).__name__}: "
-                          f"{str(exc)[:200]}", file=sys.stderr)
-                    continue
-                row = dict(kernel=kernel, K=k, N=n, M=m, config=cfg, median_us=round(us, 3))
-                out.append(row)
-                if best is None or us < best["median_us"]:
-                    best = row
-            print(f"  best {kernel} K={k} N={n} M={m}: {best}", flush=True)
+                timed.append((cfg, fn))
+            out += time_candidates(kernel, k, n, m, timed, len(natives))
         del natives
     return out
 

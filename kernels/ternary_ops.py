@@ -122,9 +122,7 @@ def select_kernel(backend: str, m: int, dtype: torch.dtype | None = None, group_
         return "cuda_mma"
     if cuda and m >= DEQUANT_MIN_M and half and not act_quant:
         return "cuda_dequant"
-    if backend == "cuda":
-        return "cuda_vec"
-    if cuda and m <= AUTO_CUDA_VEC_MAX_M:
+    if backend == "cuda" or cuda and m <= AUTO_CUDA_VEC_MAX_M:
         return "cuda_vec"
     return select_kernel("triton", m)
 

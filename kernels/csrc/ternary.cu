@@ -324,13 +324,7 @@ mma_kernel(const T* __restrict__ x, int64_t sxm, const uint4* __restrict__ tiles
     const int r = slot & 3, mb = (slot >> 2) % MB, i = (slot >> 2) / MB;
     return make_int2((nt0 + i) * TILE_N + (l >> 2) + 8 * (r >> 1), m0 + mb * 8 + 2 * (l & 3) + (r & 1));
   };
-  float acc[TN][MB][4];
-#pragma unroll
-  for (int i = 0; i < TN; ++i)
-#pragma unroll
-    for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[i][mb][r] = 0.f;
+  float acc[TN][MB][4] = {};
 
   for (int c0 = warp; c0 < KC; c0 += nwarps * U) {
     uint4 wq[U][TN];
@@ -351,13 +345,7 @@ mma_kernel(const T* __restrict__ x, int64_t sxm, const uint4* __restrict__ tiles
       for (int mb = 0; mb < MB; ++mb) load_x<T>(xv[mb], x, sxm, m0 + mb * 8 + g, M, K, c * TILE_K + 32 * t, xvec);
       if (GROUP) {
         // GS is a multiple of TILE_K: the whole chunk shares one scale per row.
-        float part[TN][MB][4];
-#pragma unroll
-        for (int i = 0; i < TN; ++i)
-#pragma unroll
-          for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) part[i][mb][r] = 0.f;
+        float part[TN][MB][4] = {};
         mma_chunk<T, TN, MB>(part, wq[u], xv);
         const int grp = c * TILE_K / GS;
 #pragma unroll
