@@ -199,22 +199,32 @@ def time_candidates(kernel: str, k: int, n: int, m: int, cands: list, calls: int
     return rows
 
 
+def mma_candidates(m: int, n: int, k: int) -> list[dict]:
+    """Configurations of the tensor-core kernel worth timing at one shape, with and without the
+    programmatic dependent launch."""
+    from kernels import ternary_cuda
+
+    mbs = (1, 2) if 8 < m <= 16 else (ternary_cuda.mma_config(m, n, k)["mb"],)
+    cands = []
+    for mb, tn, warps, loads, pdl in itertools.product(mbs, (1, 2, 4), (4, 8, 16), (4, 8), (False, True)):
+        if loads == 8 and (mb != 1 or warps < 16):
+            continue
+        cands.append(dict(tn=tn, mb=mb, warps=warps, loads=loads, pdl=pdl))
+    return cands
+
+
 def sweep_mma(copy_gbps: float) -> list[dict]:
-    """Row tiles per block and warps per block of the tensor-core kernel at the target shapes."""
+    """Blocks, pipelines and launch modes of the tensor-core kernel at the target shapes."""
     from kernels import ternary_cuda
 
     out = []
     for (k, n) in [(4096, 14336), (14336, 4096)]:
         base = ternary_weights(k, n, PRESETS["seed-article"], seed=1)
         natives, next_native = rotating(lambda: repack_copy(base), base.nbytes)
-        for m in (1, 16, 32, 64):
+        for m in (1, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             cands = []
-            for tn, warps, loads in itertools.product((1, 2, 4), (4, 8, 16), (4, 8)):
-                if loads == 8 and m > 8:
-                    continue
-                cfg = dict(tn=tn, warps=warps, loads=loads)
-
+            for cfg in mma_candidates(m, n, k):
                 def fn(cfg=cfg):
                     nat = next_native()
                     return ternary_cuda.linear_mma(x, nat.tiles, nat.scale, None, nat.n, nat.k, nat.group_size,

@@ -7,12 +7,14 @@ compiles anything and works on machines without nvcc or a GPU.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from kernels.cuda_build import LazyExtension, available  # noqa: F401  (available: re-exported)
 
 extension = LazyExtension("vllm_parity_ternary", "ternary.cu", "ternary CUDA kernels")
+ENV_PDL = "PARITY_MMA_PDL"  # "0": launch the tensor-core kernel without programmatic dependent launch
 
 
 def ternary_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -22,15 +24,20 @@ def ternary_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, 
         raise ValueError(f"unknown cuda kernel {kernel!r}; expected 'naive' or 'vec'")
     if kernel == "vec" and x.stride(-1) != 1:
         x = x.contiguous()
+    if kernel == "vec" and (k + 15) // 16 * 17 * 4 > 227 * 1024:
+        raise ValueError(f"ternary cuda_vec kernel: K = {k} does not fit its activation row in shared memory")
     return extension().ternary_linear(x, qweight, scale, bias, k, group_size, act_quant, kernel == "vec")
 
 
 def mma_config(m: int, n: int, k: int) -> dict:
-    """Row tiles per block, token fragments, warps and loads in flight for the tensor-core kernel.
+    """Row tiles per block, token fragments, warps, loads in flight and launch of the tensor-core kernel.
 
-    From the H200 sweeps in benchmarks/NOTES.md: up to 8 tokens, blocks of 16 warps and enough of them
-    to give each multiprocessor about two (fewer row tiles per block for small N); 9-16 tokens, about
-    four 128-input chunks per warp and a block per multiprocessor; above, 4 tiles per block.
+    ``pdl`` makes it a programmatic dependent launch: it starts, and reads its first weights, during the
+    previous kernel's tail, and waits for that kernel only before reading x (default on compute
+    capability 9 and later unless ``PARITY_MMA_PDL=0``). From the H200 sweeps in
+    benchmarks/NOTES.md: up to 8 tokens, blocks of 16 warps and enough of them to give each multiprocessor
+    about two (fewer row tiles per block for small N); 9-16 tokens, about four 128-input chunks per warp
+    and a block per multiprocessor; above, 4 tiles and up to 8 warps per block.
     """
     sms = _num_sms()
     nt, kc = -(-n // 16), -(-k // 128)
@@ -41,11 +48,12 @@ def mma_config(m: int, n: int, k: int) -> dict:
             tn //= 2
         return tn
 
+    launch = {"loads": 4, "pdl": _pdl_supported() and os.environ.get(ENV_PDL, "1") != "0"}
     if m <= 8:
-        return {"tn": tiles(1.6 * sms), "mb": 1, "warps": max(1, min(16, kc // 2)), "loads": 4}
+        return {"tn": tiles(1.6 * sms), "mb": 1, "warps": max(1, min(16, kc // 2)), **launch}
     if m <= 16:
-        return {"tn": tiles(0.9 * sms), "mb": 2, "warps": max(1, min(16, kc // 4)), "loads": 4}
-    return {"tn": 4, "mb": 2, "warps": max(1, min(16, kc // 8)), "loads": 4}
+        return {"tn": tiles(0.9 * sms), "mb": 2, "warps": max(1, min(16, kc // 4)), **launch}
+    return {"tn": 4, "mb": 2, "warps": max(1, min(8, kc // 4)), **launch}
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,26 +61,54 @@ def _num_sms() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _pdl_supported() -> bool:
+    """Programmatic dependent launch needs compute capability 9.0 (Hopper) or later."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(torch.cuda.current_device())[0] >= 9
+
+
 def _fit_instance(cfg: dict, group_size: int) -> dict:
     """The nearest compiled instance: 8 loads in flight only for mb 1 without group scales, which also
-    allow no more than 2 tiles at mb 2."""
-    if cfg["mb"] != 1:
+    allow no more than 2 tiles at mb 2; 1 to 16 warps."""
+    cfg["warps"] = max(1, min(16, int(cfg["warps"])))
+    cfg["pdl"] = bool(cfg["pdl"]) and _pdl_supported()
+    if cfg["mb"] != 1 or group_size:
         cfg["loads"] = 4
-    if group_size:
-        cfg["loads"] = 4
-        if cfg["mb"] == 2:
-            cfg["tn"] = min(cfg["tn"], 2)
+    if group_size and cfg["mb"] == 2:
+        cfg["tn"] = min(cfg["tn"], 2)
     return cfg
+
+
+def _check_mma_args(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, n: int, k: int,
+                    group_size: int) -> None:
+    """The extension's preconditions as Python errors of the usual types, naming the argument."""
+    if x.device.type != "cuda" or tiles.device != x.device or scale.device != x.device:
+        raise ValueError(f"ternary mma kernel: x, tiles and scale must be on one CUDA device, got {x.device}, "
+                         f"{tiles.device}, {scale.device}")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"ternary mma kernel: x must be fp16 or bf16, got {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"ternary mma kernel: x must be (M, K={k}), got {tuple(x.shape)}")
+    want = (-(-n // 16), -(-k // 128), 32, 4)
+    if tiles.dtype != torch.int32 or tuple(tiles.shape) != want or not tiles.is_contiguous():
+        raise ValueError(f"ternary mma kernel: tiles must be contiguous int32 {want} for N={n} K={k}, got "
+                         f"{tiles.dtype} {tuple(tiles.shape)}")
+    if scale.dtype != torch.float32 or scale.dim() != 2 or scale.shape[0] != n or not scale.is_contiguous():
+        raise ValueError(f"ternary mma kernel: scale must be contiguous fp32 (N={n}, G), got {scale.dtype} "
+                         f"{tuple(scale.shape)}")
+    if group_size % 128:
+        raise ValueError(f"ternary mma kernel: group size {group_size} is not a multiple of 128")
 
 
 def linear_mma(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
                group_size: int, act_quant: bool, config: dict | None = None) -> torch.Tensor:
     """``y = x @ W^T (+ bias)`` on the tiled layout with tensor cores; x fp16 or bf16 (M, K)."""
+    _check_mma_args(x, tiles, scale, n, k, group_size)
     if x.stride(-1) != 1:
         x = x.contiguous()
     cfg = _fit_instance(dict(mma_config(x.shape[0], n, k), **(config or {})), group_size)
     return extension().ternary_linear_mma(x, tiles, scale, bias, n, k, group_size, act_quant, cfg["tn"], cfg["mb"],
-                                          cfg["warps"], cfg["loads"])
+                                          cfg["warps"], cfg["loads"], bool(cfg["pdl"]))
 
 
 def dequant(qweight: torch.Tensor, scale: torch.Tensor, k: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:

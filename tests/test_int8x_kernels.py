@@ -482,11 +482,12 @@ def test_cuda_linear_strides_and_out():
     streams = _streams(enc, "cuda")
     base = torch.randn(6, 2 * 2048, device="cuda", dtype=torch.bfloat16)
     ref = None
-    for x in (base[:, ::2], base[:, 5:5 + 2048], base[:, :2048].t().contiguous().t(), base[:, :2048]):
-        y = kc.linear(x, *streams, 70, 2048, 1024)
-        ref = _linear_ref(x, w64)
-        assert y.dtype == torch.bfloat16
-        assert_rel_close(y, ref, LINEAR_BOUND[torch.bfloat16] * 4, f"cuda linear x strides {x.stride()}")
+    for m in (1, 3, 6):  # the x of M <= 4 is copied ahead asynchronously where its rows allow it
+        for x in (base[:m, ::2], base[:m, 5:5 + 2048], base[:m, :2048].t().contiguous().t(), base[:m, :2048]):
+            y = kc.linear(x, *streams, 70, 2048, 1024)
+            ref = _linear_ref(x, w64)
+            assert y.dtype == torch.bfloat16
+            assert_rel_close(y, ref, LINEAR_BOUND[torch.bfloat16] * 4, f"cuda linear M={m} x strides {x.stride()}")
     # out of another dtype and with a column stride: written where it points, rounded to its dtype.
     out = torch.full((70, 6), float("nan"), device="cuda").t()
     kc.linear(base[:, :2048], *streams, 70, 2048, 1024, out=out)

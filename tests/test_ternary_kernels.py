@@ -130,8 +130,15 @@ def build(case: dict, device: str = "cpu"):
     x = x.to(dtype)
     bias = (torch.randn(n, generator=gen, dtype=torch.float64) * 4).to(dtype) if case["bias"] else None
 
-    xd = x.double()
-    slack = torch.zeros(m, n, dtype=torch.float64)
+    native = repack(packed.to(device), scale.to(device), spec, n, k)
+    return dict(packed=packed, scale=scale, native=native, x=x.to(device),
+                bias=None if bias is None else bias.to(device), w64=w64, **expected(x, w64, spec, bias))
+
+
+def expected(x: torch.Tensor, w64: torch.Tensor, spec: TernarySpec, bias: torch.Tensor | None) -> dict:
+    """The fp64 reference of ``x @ W^T (+ bias)`` with the terms of the error bound (see the module doc)."""
+    xd = x.double().cpu()
+    slack = torch.zeros(xd.shape[0], w64.shape[0], dtype=torch.float64)
     if spec.activation_quant:
         sx = 127.0 / xd.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
         v = xd * sx
@@ -145,13 +152,9 @@ def build(case: dict, device: str = "cpu"):
         ref = xd @ w64.t()
         magnitude = xd.abs() @ w64.abs().t()
     if bias is not None:
-        ref = ref + bias.double()
-        magnitude = magnitude + bias.double().abs()
-
-    native = repack(packed.to(device), scale.to(device), spec, n, k)
-    return dict(packed=packed, scale=scale, native=native, x=x.to(device),
-                bias=None if bias is None else bias.to(device),
-                ref=ref, magnitude=magnitude, slack=slack, w64=w64)
+        ref = ref + bias.double().cpu()
+        magnitude = magnitude + bias.double().cpu().abs()
+    return dict(ref=ref, magnitude=magnitude, slack=slack)
 
 
 def shaped(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -448,6 +451,55 @@ def test_cuda_module_imports_without_compiling():
             ternary_cuda.extension()
 
 
+def test_mma_arguments_are_checked_in_python():
+    """Every precondition of the tensor-core kernel fails as a Python error naming the argument, before the
+    extension is called."""
+    n, k = 40, 256
+    tiles = torch.zeros(tiles_shape(n, k), dtype=torch.int32)
+    scale = torch.ones(n, 1)
+    x = torch.zeros(2, k, dtype=torch.float16)
+    with pytest.raises(ValueError, match="one CUDA device"):
+        ternary_cuda.linear_mma(x, tiles, scale, None, n, k, 0, False)
+    if not torch.cuda.is_available():
+        return
+    x, tiles, scale = x.cuda(), tiles.cuda(), scale.cuda()
+    with pytest.raises(TypeError, match="fp16 or bf16, got torch.float32"):
+        ternary_cuda.linear_mma(x.float(), tiles, scale, None, n, k, 0, False)
+    with pytest.raises(ValueError, match=r"x must be \(M, K=256\)"):
+        ternary_cuda.linear_mma(x[:, :100], tiles, scale, None, n, k, 0, False)
+    with pytest.raises(ValueError, match="tiles must be contiguous int32"):
+        ternary_cuda.linear_mma(x, tiles[:1], scale, None, n, k, 0, False)
+    with pytest.raises(ValueError, match="scale must be contiguous fp32"):
+        ternary_cuda.linear_mma(x, tiles, scale.half(), None, n, k, 0, False)
+    with pytest.raises(ValueError, match="group size 64 is not a multiple of 128"):
+        ternary_cuda.linear_mma(x, tiles, scale, None, n, k, 64, False)
+
+
+def test_mma_dependent_launch_follows_the_device_and_the_environment(monkeypatch):
+    monkeypatch.setattr(ternary_cuda, "_num_sms", lambda: 132)
+    monkeypatch.setattr(ternary_cuda, "_pdl_supported", lambda: True)
+    assert ternary_cuda.mma_config(1, 4096, 4096)["pdl"] is True
+    monkeypatch.setenv(ternary_cuda.ENV_PDL, "0")
+    assert ternary_cuda.mma_config(1, 4096, 4096)["pdl"] is False
+    monkeypatch.delenv(ternary_cuda.ENV_PDL)
+    monkeypatch.setattr(ternary_cuda, "_pdl_supported", lambda: False)
+    assert ternary_cuda.mma_config(1, 4096, 4096)["pdl"] is False, "no PDL before compute capability 9"
+    cfg = ternary_cuda._fit_instance(dict(tn=1, mb=1, warps=4, loads=4, pdl=True), 0)
+    assert cfg["pdl"] is False, "an explicit request cannot turn it on where the device lacks it"
+
+
+@settings(max_examples=100, **HYP)
+@given(tn=st.sampled_from([1, 2, 4]), mb=st.sampled_from([1, 2]), warps=st.integers(-3, 40),
+       loads=st.sampled_from([4, 8]), group_size=st.sampled_from([0, 128, 256]))
+def test_mma_config_fits_a_compiled_instance(tn, mb, warps, loads, group_size):
+    """Any requested configuration becomes one the extension has compiled."""
+    cfg = ternary_cuda._fit_instance(dict(tn=tn, mb=mb, warps=warps, loads=loads, pdl=True), group_size)
+    assert 1 <= cfg["warps"] <= 16
+    assert cfg["loads"] in ((4, 8) if mb == 1 and not group_size else (4,)), cfg
+    if group_size and mb == 2:
+        assert cfg["tn"] <= 2, cfg
+
+
 # --------------------------------------------------------------------------------------------
 # tiled layout of the tensor-core kernel
 
@@ -616,9 +668,9 @@ def test_gpu_group_scales_never_read_past_the_row(kernel):
 @needs_cuda
 @pytest.mark.parametrize("tn", [1, 2, 4])
 @pytest.mark.parametrize("mb, loads", [(1, 4), (1, 8), (2, 4)])
-@pytest.mark.parametrize("warps", [1, 3, 16])
-def test_gpu_mma_every_instance(tn, mb, loads, warps):
-    """Every compiled instance and odd warp counts: ragged N, K, M, group scales."""
+@pytest.mark.parametrize("warps, pdl", [(1, False), (3, True), (16, True)])
+def test_gpu_mma_every_instance(tn, mb, loads, warps, pdl):
+    """Every compiled instance, odd warp counts and both launch modes: ragged N, K, M, group scales."""
     for i, (m, n, k, spec) in enumerate([(1, 200, 1000, PRESETS["seed-article"]), (9, 44, 4096, PRESETS["hf-bitnet"]),
                                          (20, 130, 640, TernarySpec(scale_granularity="group", group_size=128)),
                                          (40, 77, 2304, TernarySpec(scale_granularity="group", group_size=256))]):
@@ -628,8 +680,41 @@ def test_gpu_mma_every_instance(tn, mb, loads, warps):
         built = build(case, "cuda")
         nat = built["native"].with_tiles()
         out = ternary_cuda.linear_mma(built["x"], nat.tiles, nat.scale, built["bias"], n, k, nat.group_size,
-                                      nat.act_quant, config=dict(tn=tn, mb=mb, loads=loads, warps=warps))
-        check(out, built, case, f"cuda_mma tn={tn} mb={mb} loads={loads} warps={warps}")
+                                      nat.act_quant,
+                                      config=dict(tn=tn, mb=mb, loads=loads, warps=warps, pdl=pdl))
+        check(out, built, case, f"cuda_mma tn={tn} mb={mb} loads={loads} warps={warps} pdl={pdl}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tn, loads", [(1, 4), (2, 8)])
+def test_gpu_mma_dependent_launch_waits_for_its_input(tn, loads):
+    """Two layers chained in a CUDA graph, each launched as a programmatic dependent launch: the second
+    reads the first's output only after it is written (the buffer holds NaN before every replay)."""
+    case = dict(spec=PRESETS["seed-article"], m=3, n=2048, k=2048, dtype=torch.bfloat16, scale_dtype=torch.float32,
+                weights="random", activations="normal", layout="contiguous", bias=False, seed=21)
+    built = build(case, "cuda")
+    nat = built["native"].with_tiles()
+    cfg = dict(tn=tn, loads=loads, pdl=True, warps=8)
+
+    def layer(x):
+        return ternary_cuda.linear_mma(x, nat.tiles, nat.scale, None, nat.n, nat.k, nat.group_size, nat.act_quant,
+                                       config=cfg)
+
+    x = built["x"].clone()
+    layer(layer(x))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y1 = layer(x)
+        y2 = layer(y1)
+    for i in range(3):
+        y1.fill_(float("nan"))
+        y2.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(y1, built, case, f"first layer, replay {i}")
+        check(y2, dict(built, **expected(y1, built["w64"], case["spec"], None)), case, f"second layer, replay {i}")
 
 
 @pytest.mark.gpu

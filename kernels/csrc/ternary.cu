@@ -35,11 +35,27 @@ __device__ __forceinline__ float scale_at(const float* __restrict__ scale, int n
   return MODE == 0 ? 1.0f : scale[(int64_t)n * G + k / GS];
 }
 
+// Programmatic dependent launch (sm_90): the next kernel in the stream may start once every block of
+// this one has begun, and its own wait returns when this one has finished and its writes are visible.
+// The kernels read the weights before waiting (nothing in the stream writes them) and x, sx, y after.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // Per-token absmax int8 fake quantization: one block per row.
 template <typename T>
 __global__ void act_quant_kernel(const T* __restrict__ x, int64_t sxm, int64_t sxk, T* __restrict__ xq,
                                  float* __restrict__ sx, int K) {
+  pdl_launch_dependents();  // the linear kernel after it may start loading its weights now
+  pdl_wait();
   const int m = blockIdx.x;
   const T* row = x + (int64_t)m * sxm;
   float amax = 0.f;
@@ -302,6 +318,66 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[TN][MB][4], const uint4 (
   }
 }
 
+// The block's output tile: each warp's partial sums go through shared memory (red[warp][slot][lane],
+// slot = (i * MB + mb) * 4 + r), then the block adds them and writes y with the scale, 1 / s_x and bias.
+template <typename T, int TN, int MB, bool GROUP>
+__device__ __forceinline__ void store_tile(const float (&acc)[TN][MB][4], float* red, const float* __restrict__ scale,
+                                           const float* __restrict__ bias, const float* __restrict__ sx,
+                                           T* __restrict__ y, int M, int N, int G, int nt0, int m0) {
+  constexpr int SLOTS = TN * MB * 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+  for (int i = 0; i < TN; ++i)
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) red[((warp * SLOTS) + (i * MB + mb) * 4 + r) * 32 + lane] = acc[i][mb][r];
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < SLOTS * 32; idx += blockDim.x) {
+    float v = 0.f;
+    for (int w = 0; w < nwarps; ++w) v += red[w * SLOTS * 32 + idx];
+    // C fragment element r of lane l: row (l / 4) + 8 (r / 2), column 2 (l % 4) + r % 2; rows are n.
+    const int slot = idx >> 5, l = idx & 31;
+    const int r = slot & 3, mb = (slot >> 2) % MB, i = (slot >> 2) / MB;
+    const int n = (nt0 + i) * TILE_N + (l >> 2) + 8 * (r >> 1), m = m0 + mb * 8 + 2 * (l & 3) + (r & 1);
+    if (n >= N || m >= M) continue;
+    v *= 0.5f;  // the decoded weights are +-2
+    if (!GROUP) v *= scale[(int64_t)n * G];
+    if (sx) v = __fdiv_rn(v, sx[m]);
+    if (bias) v += bias[n];
+    y[(int64_t)m * N + n] = from_f<T>(v);
+  }
+}
+
+// One chunk (128 inputs of TN row tiles) into acc; with group scales the chunk's partial is scaled first
+// (the group size is a multiple of TILE_K, so a chunk shares one scale per row).
+template <typename T, int TN, int MB, bool GROUP>
+__device__ __forceinline__ void mma_chunk_scaled(float (&acc)[TN][MB][4], const uint4 (&wq)[TN],
+                                                 const uint4 (&xv)[MB][4], const float* __restrict__ scale, int N,
+                                                 int G, int GS, int nt0, int c) {
+  if (!GROUP) {
+    mma_chunk<T, TN, MB>(acc, wq, xv);
+    return;
+  }
+  const int g = (threadIdx.x & 31) >> 2;
+  float part[TN][MB][4] = {};
+  mma_chunk<T, TN, MB>(part, wq, xv);
+  const int grp = c * TILE_K / GS;
+#pragma unroll
+  for (int i = 0; i < TN; ++i) {
+    const int n_lo = (nt0 + i) * TILE_N + g, n_hi = n_lo + 8;
+    const float s_lo = n_lo < N ? __ldg(scale + (int64_t)n_lo * G + grp) : 0.f;
+    const float s_hi = n_hi < N ? __ldg(scale + (int64_t)n_hi * G + grp) : 0.f;
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) {
+      acc[i][mb][0] = fmaf(part[i][mb][0], s_lo, acc[i][mb][0]);
+      acc[i][mb][1] = fmaf(part[i][mb][1], s_lo, acc[i][mb][1]);
+      acc[i][mb][2] = fmaf(part[i][mb][2], s_hi, acc[i][mb][2]);
+      acc[i][mb][3] = fmaf(part[i][mb][3], s_hi, acc[i][mb][3]);
+    }
+  }
+}
+
 // Block of the tensor-core kernel: TN row tiles x MB * 8 tokens. Each iteration a warp requests L
 // weight uint4 per lane (U = L / TN chunks of its TN tiles, L * 512 bytes per warp) before decoding
 // the first; B fragments come from global memory (x is small and stays in L2).
@@ -312,18 +388,11 @@ mma_kernel(const T* __restrict__ x, int64_t sxm, const uint4* __restrict__ tiles
            int NT, int KC, int G, int GS, bool xvec) {
   extern __shared__ float red[];
   constexpr int U = L / TN > 0 ? L / TN : 1;  // chunks per iteration
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int nt0 = blockIdx.x * TN;
   const int m0 = blockIdx.y * MB * 8;
-  constexpr int SLOTS = TN * MB * 4;
-  // Output (n, m) of epilogue index idx = slot * 32 + lane of the C fragments: c0, c1 = (row g,
-  // cols 2t, 2t+1), c2, c3 = (row g+8, same cols); rows are n, cols tokens.
-  auto epilogue_nm = [nt0, m0](int idx) {
-    const int slot = idx >> 5, l = idx & 31;
-    const int r = slot & 3, mb = (slot >> 2) % MB, i = (slot >> 2) / MB;
-    return make_int2((nt0 + i) * TILE_N + (l >> 2) + 8 * (r >> 1), m0 + mb * 8 + 2 * (l & 3) + (r & 1));
-  };
   float acc[TN][MB][4] = {};
 
   for (int c0 = warp; c0 < KC; c0 += nwarps * U) {
@@ -336,6 +405,7 @@ mma_kernel(const T* __restrict__ x, int64_t sxm, const uint4* __restrict__ tiles
         wq[u][i] = c < KC && nt0 + i < NT ? load_stream(tiles + ((int64_t)(nt0 + i) * KC + c) * 32 + lane)
                                           : make_uint4(0, 0, 0, 0);
     }
+    pdl_wait();
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * nwarps;
@@ -343,94 +413,81 @@ mma_kernel(const T* __restrict__ x, int64_t sxm, const uint4* __restrict__ tiles
       uint4 xv[MB][4];
 #pragma unroll
       for (int mb = 0; mb < MB; ++mb) load_x<T>(xv[mb], x, sxm, m0 + mb * 8 + g, M, K, c * TILE_K + 32 * t, xvec);
-      if (GROUP) {
-        // GS is a multiple of TILE_K: the whole chunk shares one scale per row.
-        float part[TN][MB][4] = {};
-        mma_chunk<T, TN, MB>(part, wq[u], xv);
-        const int grp = c * TILE_K / GS;
-#pragma unroll
-        for (int i = 0; i < TN; ++i) {
-          const int n_lo = (nt0 + i) * TILE_N + g, n_hi = n_lo + 8;
-          const float s_lo = n_lo < N ? __ldg(scale + (int64_t)n_lo * G + grp) : 0.f;
-          const float s_hi = n_hi < N ? __ldg(scale + (int64_t)n_hi * G + grp) : 0.f;
-#pragma unroll
-          for (int mb = 0; mb < MB; ++mb) {
-            acc[i][mb][0] = fmaf(part[i][mb][0], s_lo, acc[i][mb][0]);
-            acc[i][mb][1] = fmaf(part[i][mb][1], s_lo, acc[i][mb][1]);
-            acc[i][mb][2] = fmaf(part[i][mb][2], s_hi, acc[i][mb][2]);
-            acc[i][mb][3] = fmaf(part[i][mb][3], s_hi, acc[i][mb][3]);
-          }
-        }
-      } else {
-        mma_chunk<T, TN, MB>(acc, wq[u], xv);
-      }
+      mma_chunk_scaled<T, TN, MB, GROUP>(acc, wq[u], xv, scale, N, G, GS, nt0, c);
     }
   }
-
-  // Sum the warps' partials: red[warp][slot][lane], slot = (i * MB + mb) * 4 + r.
-#pragma unroll
-  for (int i = 0; i < TN; ++i)
-#pragma unroll
-    for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) red[((warp * SLOTS) + (i * MB + mb) * 4 + r) * 32 + lane] = acc[i][mb][r];
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < SLOTS * 32; idx += blockDim.x) {
-    float v = 0.f;
-    for (int w = 0; w < nwarps; ++w) v += red[w * SLOTS * 32 + idx];
-    const int2 nm = epilogue_nm(idx);
-    const int n = nm.x, m = nm.y;
-    if (n >= N || m >= M) continue;
-    v *= 0.5f;  // the decoded weights are +-2
-    if (!GROUP) v *= scale[(int64_t)n * G];
-    if (sx) v = __fdiv_rn(v, sx[m]);
-    if (bias) v += bias[n];
-    y[(int64_t)m * N + n] = from_f<T>(v);
-  }
+  pdl_wait();  // warps without a chunk
+  store_tile<T, TN, MB, GROUP>(acc, red, scale, bias, sx, y, M, N, G, nt0, blockIdx.y * MB * 8);
 }
 
+// Launches kern with dynamic shared memory smem, as a programmatic dependent launch when pdl is set.
+template <typename Kern, typename... Args>
+void launch_kernel(Kern kern, dim3 grid, int threads, int smem, bool pdl, cudaStream_t stream, Args... args) {
+  if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, args...));
+}
+
+struct MmaArgs {
+  int64_t sxm;
+  const float* bias;
+  const float* sx;
+  int M, N, K, G, GS, warps;
+  bool xvec, pdl;
+  cudaStream_t stream;
+};
+
 template <typename T, int TN, int MB, int L, bool GROUP>
-void launch_mma_cfg(const T* xp, int64_t sxm, const torch::Tensor& tiles, const torch::Tensor& scale,
-                    const float* bias, const float* sxp, T* yp, int M, int N, int K, int G, int GS, bool xvec,
-                    int warps, cudaStream_t stream) {
+void launch_mma_cfg(const T* xp, const torch::Tensor& tiles, const torch::Tensor& scale, T* yp, const MmaArgs& a) {
   const int NT = tiles.size(0), KC = tiles.size(1);
-  dim3 grid((NT + TN - 1) / TN, (M + MB * 8 - 1) / (MB * 8));
-  const int smem = warps * TN * MB * 4 * 32 * (int)sizeof(float);
-  auto kern = mma_kernel<T, TN, MB, L, GROUP>;
-  if (smem > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  kern<<<grid, 32 * warps, smem, stream>>>(xp, sxm, reinterpret_cast<const uint4*>(tiles.data_ptr<int32_t>()),
-                                           scale.data_ptr<float>(), bias, sxp, yp, M, N, K, NT, KC, G, GS, xvec);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  dim3 grid((NT + TN - 1) / TN, (a.M + MB * 8 - 1) / (MB * 8));
+  const int smem = a.warps * TN * MB * 4 * 32 * (int)sizeof(float);
+  launch_kernel(mma_kernel<T, TN, MB, L, GROUP>, grid, 32 * a.warps, smem, a.pdl, a.stream, xp, a.sxm,
+                reinterpret_cast<const uint4*>(tiles.data_ptr<int32_t>()), (const float*)scale.data_ptr<float>(),
+                a.bias, a.sx, yp, a.M, a.N, a.K, NT, KC, a.G, a.GS, a.xvec);
 }
 
 template <typename T>
 void launch_mma(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scale, const float* bias,
-                torch::Tensor& y, int N, int K, int group_size, bool act_quant, int tn, int mb, int warps, int loads) {
-  const int M = x.size(0), G = scale.size(1);
-  auto stream = c10::cuda::getCurrentCUDAStream();
+                torch::Tensor& y, int N, int K, int group_size, bool act_quant, int tn, int mb, int warps, int loads,
+                bool pdl) {
+  MmaArgs a{};
+  a.M = x.size(0);
+  a.N = N;
+  a.K = K;
+  a.G = scale.size(1);
+  a.warps = warps;
+  a.bias = bias;
+  a.pdl = pdl;
+  a.stream = c10::cuda::getCurrentCUDAStream();
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-  int64_t sxm = x.stride(0);
+  a.sxm = x.stride(0);
   torch::Tensor xq, sxt;
-  const float* sxp = nullptr;
   if (act_quant) {
-    xq = torch::empty({M, K}, x.options());
-    sxt = torch::empty({M}, x.options().dtype(torch::kFloat32));
-    act_quant_kernel<T><<<M, 1024, 0, stream>>>(xp, sxm, x.stride(1), reinterpret_cast<T*>(xq.data_ptr()),
-                                                sxt.data_ptr<float>(), K);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    xq = torch::empty({a.M, K}, x.options());
+    sxt = torch::empty({a.M}, x.options().dtype(torch::kFloat32));
+    launch_kernel(act_quant_kernel<T>, dim3(a.M), 1024, 0, a.pdl, a.stream, xp, a.sxm, (int64_t)x.stride(1),
+                  reinterpret_cast<T*>(xq.data_ptr()), sxt.data_ptr<float>(), K);
     xp = reinterpret_cast<const T*>(xq.data_ptr());
-    sxm = K;
-    sxp = sxt.data_ptr<float>();
+    a.sxm = K;
+    a.sx = sxt.data_ptr<float>();
   }
-  const bool xvec = (reinterpret_cast<uintptr_t>(xp) & 15) == 0 && (sxm * (int64_t)sizeof(T)) % 16 == 0;
+  a.xvec = (reinterpret_cast<uintptr_t>(xp) & 15) == 0 && (a.sxm * (int64_t)sizeof(T)) % 16 == 0;
   const bool group = group_size > 0;
-  const int GS = group ? group_size : 1;
+  a.GS = group ? group_size : 1;
   T* yp = reinterpret_cast<T*>(y.data_ptr());
-#define PARITY_MMA(TN_, MB_, L_, GROUP_)                                                                        \
-  if (tn == TN_ && mb == MB_ && loads == L_ && group == GROUP_)                                                 \
-    return launch_mma_cfg<T, TN_, MB_, L_, GROUP_>(xp, sxm, tiles, scale, bias, sxp, yp, M, N, K, G, GS, xvec,   \
-                                                   warps, stream);
+#define PARITY_MMA(TN_, MB_, L_, GROUP_)                                      \
+  if (tn == TN_ && mb == MB_ && loads == L_ && group == GROUP_)                 \
+    return launch_mma_cfg<T, TN_, MB_, L_, GROUP_>(xp, tiles, scale, yp, a);
   PARITY_MMA(1, 1, 4, false) PARITY_MMA(2, 1, 4, false) PARITY_MMA(4, 1, 4, false)
   PARITY_MMA(1, 1, 8, false) PARITY_MMA(2, 1, 8, false) PARITY_MMA(4, 1, 8, false)
   PARITY_MMA(1, 2, 4, false) PARITY_MMA(2, 2, 4, false) PARITY_MMA(4, 2, 4, false)
@@ -438,12 +495,13 @@ void launch_mma(const torch::Tensor& x, const torch::Tensor& tiles, const torch:
   PARITY_MMA(1, 1, 4, true) PARITY_MMA(2, 1, 4, true) PARITY_MMA(4, 1, 4, true)
   PARITY_MMA(1, 2, 4, true) PARITY_MMA(2, 2, 4, true)
 #undef PARITY_MMA
-  TORCH_CHECK(false, "ternary mma kernel: no instance for tn=", tn, " mb=", mb, " loads=", loads);
+  TORCH_CHECK(false, "ternary mma kernel: no instance for tn=", tn, " mb=", mb, " loads=", loads,
+              group ? " with group scales" : "");
 }
 
 torch::Tensor ternary_linear_mma(torch::Tensor x, torch::Tensor tiles, torch::Tensor scale,
                                  c10::optional<torch::Tensor> bias, int64_t n, int64_t k, int64_t group_size,
-                                 bool act_quant, int64_t tn, int64_t mb, int64_t warps, int64_t loads) {
+                                 bool act_quant, int64_t tn, int64_t mb, int64_t warps, int64_t loads, bool pdl) {
   TORCH_CHECK(x.is_cuda() && tiles.is_cuda() && scale.is_cuda(), "ternary mma kernel needs CUDA tensors");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1, "x must be (M, K=", k, ") contiguous along K");
   TORCH_CHECK(x.scalar_type() == torch::kFloat16 || x.scalar_type() == torch::kBFloat16,
@@ -468,10 +526,10 @@ torch::Tensor ternary_linear_mma(torch::Tensor x, torch::Tensor tiles, torch::Te
   if (x.size(0) == 0 || n == 0) return y;
   if (x.scalar_type() == torch::kFloat16)
     launch_mma<__half>(x, tiles, scale, bp, y, (int)n, (int)k, (int)group_size, act_quant, (int)tn, (int)mb,
-                       (int)warps, (int)loads);
+                       (int)warps, (int)loads, pdl);
   else
     launch_mma<__nv_bfloat16>(x, tiles, scale, bp, y, (int)n, (int)k, (int)group_size, act_quant, (int)tn, (int)mb,
-                              (int)warps, (int)loads);
+                              (int)warps, (int)loads, pdl);
   return y;
 }
 
@@ -585,7 +643,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("bias"), py::arg("k"), py::arg("group_size"), py::arg("act_quant"), py::arg("vec"));
   m.def("ternary_linear_mma", &ternary_linear_mma, "ternary linear on the tiled layout (tensor cores, small M)",
         py::arg("x"), py::arg("tiles"), py::arg("scale"), py::arg("bias"), py::arg("n"), py::arg("k"),
-        py::arg("group_size"), py::arg("act_quant"), py::arg("tn"), py::arg("mb"), py::arg("warps"), py::arg("loads"));
+        py::arg("group_size"), py::arg("act_quant"), py::arg("tn"), py::arg("mb"), py::arg("warps"), py::arg("loads"),
+        py::arg("pdl"));
   m.def("ternary_dequant", &ternary_dequant, "dense weight (scale folded) from the row layout", py::arg("qweight"),
         py::arg("scale"), py::arg("k"), py::arg("group_size"), py::arg("out"));
 }
