@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kernels.cuda_build import LazyExtension, available  # noqa: F401  (available: re-exported)
+from kernels.int8x_triton import linear_out
 
 __all__ = ["available", "extension", "decode", "linear"]
 
@@ -87,13 +88,8 @@ def linear(x: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, l1: torch.Tensor
     One pass over the weight for up to 16 rows of ``x`` (larger M: one pass per 16 rows), fp32 accumulation.
     ``x`` may have any row stride; a column stride other than 1 costs a contiguous copy.
     """
-    if x.dim() != 2 or x.shape[1] != n_cols:
-        raise ValueError(f"int8x cuda linear: x must be (M, {n_cols}), got {tuple(x.shape)}")
+    out = linear_out(x, n_rows, n_cols, out, "cuda")
     m_rows = x.shape[0]
-    if out is None:
-        out = torch.empty((m_rows, n_rows), dtype=x.dtype, device=x.device)
-    elif out.shape != (m_rows, n_rows):
-        raise ValueError(f"int8x cuda linear: out must be ({m_rows}, {n_rows}), got {tuple(out.shape)}")
     _check_cuda(x, out, b1, b2, l1, l2, l3, b1_blk, b2_blk, scale)
     _check_streams((b1, b2, l1, l2, l3, b1_blk, b2_blk, scale), n_rows, n_cols, block_size)
     if m_rows == 0:

@@ -134,6 +134,18 @@ def _check_device(*tensors: torch.Tensor) -> None:
                            "before kernels.int8x_triton is imported, or use the torch backend")
 
 
+def linear_out(x: torch.Tensor, n_rows: int, n_cols: int, out: torch.Tensor | None, who: str) -> torch.Tensor:
+    """The ``(M, n_rows)`` output of ``linear`` in x's dtype, or ``out`` once its shape is checked; ``x``
+    must be ``(M, n_cols)``. Shared by the Triton and CUDA backends (``who`` names the caller)."""
+    if x.dim() != 2 or x.shape[1] != n_cols:
+        raise ValueError(f"int8x {who} linear: x must be (M, {n_cols}), got {tuple(x.shape)}")
+    if out is None:
+        return torch.empty((x.shape[0], n_rows), dtype=x.dtype, device=x.device)
+    if out.shape != (x.shape[0], n_rows):
+        raise ValueError(f"int8x {who} linear: out must be ({x.shape[0]}, {n_rows}), got {tuple(out.shape)}")
+    return out
+
+
 def _wide(n: int) -> bool:
     # Stream bit positions (3 or 5 per value) reach 2**31 only for weights of ~430M+ elements.
     return 5 * n >= 2**31
@@ -181,13 +193,8 @@ def linear(x: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, l1: torch.Tensor
     block overlapping its row and masks the lanes of other rows: still exact, but a block is decoded by every
     row it touches (up to ``block_size / K + 1`` times when ``K < block_size``).
     """
-    if x.dim() != 2 or x.shape[1] != n_cols:
-        raise ValueError(f"int8x triton linear: x must be (M, {n_cols}), got {tuple(x.shape)}")
+    out = linear_out(x, n_rows, n_cols, out, "triton")
     m_rows = x.shape[0]
-    if out is None:
-        out = torch.empty((m_rows, n_rows), dtype=x.dtype, device=x.device)
-    elif out.shape != (m_rows, n_rows):
-        raise ValueError(f"int8x triton linear: out must be ({m_rows}, {n_rows}), got {tuple(out.shape)}")
     _check_device(x, out, b1, b2, l1, l2, l3, b1_blk, b2_blk, scale)
     if m_rows == 0:
         return out

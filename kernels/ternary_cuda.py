@@ -81,10 +81,8 @@ def _fit_instance(cfg: dict, group_size: int) -> dict:
 
 def _check_mma_args(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, n: int, k: int,
                     group_size: int) -> None:
-    """The extension's preconditions as Python errors of the usual types, naming the argument."""
-    if x.device.type != "cuda" or tiles.device != x.device or scale.device != x.device:
-        raise ValueError(f"ternary mma kernel: x, tiles and scale must be on one CUDA device, got {x.device}, "
-                         f"{tiles.device}, {scale.device}")
+    """The extension's preconditions as Python errors of the usual types, naming the argument (the device
+    last, so that everything else is checked wherever the tensors live)."""
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"ternary mma kernel: x must be fp16 or bf16, got {x.dtype}")
     if x.dim() != 2 or x.shape[1] != k:
@@ -98,6 +96,9 @@ def _check_mma_args(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, n
                          f"{tuple(scale.shape)}")
     if group_size % 128:
         raise ValueError(f"ternary mma kernel: group size {group_size} is not a multiple of 128")
+    if x.device.type != "cuda" or tiles.device != x.device or scale.device != x.device:
+        raise ValueError(f"ternary mma kernel: x, tiles and scale must be on one CUDA device, got {x.device}, "
+                         f"{tiles.device}, {scale.device}")
 
 
 def linear_mma(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,

@@ -301,10 +301,14 @@ def test_backend_selection(monkeypatch):
         ops.resolve_backend("numpy", cpu)
 
 
+def _ones_2x40() -> tuple[dict, Int8xSpec, list[torch.Tensor]]:
+    """A 2 x 40 all-ones int8x weight (block size 32) on the CPU: encoding, spec and the op's stream tensors."""
+    enc, spec, _ = _reference(torch.ones(2, 40, dtype=torch.int8), 32)
+    return enc, spec, _streams(enc, "cpu")
+
+
 def test_op_rejects_unknown_backend_and_wrong_k():
-    q = torch.ones(2, 40, dtype=torch.int8)
-    enc, spec, _ = _reference(q, 32)
-    streams = _streams(enc, "cpu")
+    _, _, streams = _ones_2x40()
     with pytest.raises(ValueError, match="backend 'numpy'"):
         torch.ops.vllm_parity.int8x_decode(*streams, 2, 40, 32, torch.float32, "numpy")
     with pytest.raises(ValueError, match="x has 39 input features, the weight \\(2, 40\\)"):
@@ -331,9 +335,7 @@ def test_cuda_module_imports_without_compiling():
 
 
 def test_cuda_backend_on_cpu_tensors_is_a_clear_error():
-    q = torch.ones(2, 40, dtype=torch.int8)
-    enc, spec, _ = _reference(q, 32)
-    streams = _streams(enc, "cpu")
+    enc, spec, streams = _ones_2x40()
     # Rejected before anything is built, whether or not this machine could build the kernels.
     with pytest.raises(ValueError, match="int8x cuda kernels need CUDA tensors, got cpu"):
         torch.ops.vllm_parity.int8x_decode(*streams, 2, 40, 32, torch.float32, "cuda")

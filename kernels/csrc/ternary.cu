@@ -499,6 +499,11 @@ void launch_mma(const torch::Tensor& x, const torch::Tensor& tiles, const torch:
               group ? " with group scales" : "");
 }
 
+// The bias as contiguous fp32, which the kernels read; undefined when there is none.
+torch::Tensor float_bias(const c10::optional<torch::Tensor>& bias) {
+  return bias.has_value() ? bias->to(torch::kFloat32).contiguous() : torch::Tensor();
+}
+
 torch::Tensor ternary_linear_mma(torch::Tensor x, torch::Tensor tiles, torch::Tensor scale,
                                  c10::optional<torch::Tensor> bias, int64_t n, int64_t k, int64_t group_size,
                                  bool act_quant, int64_t tn, int64_t mb, int64_t warps, int64_t loads, bool pdl) {
@@ -516,12 +521,8 @@ torch::Tensor ternary_linear_mma(torch::Tensor x, torch::Tensor tiles, torch::Te
               " is not a multiple of ", TILE_K);
   TORCH_CHECK(warps >= 1 && warps <= 16, "warps must be 1..16");
   const c10::cuda::CUDAGuard guard(x.device());
-  torch::Tensor bias_f;
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    bias_f = bias->to(torch::kFloat32).contiguous();
-    bp = bias_f.data_ptr<float>();
-  }
+  const torch::Tensor bias_f = float_bias(bias);
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto y = torch::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0 || n == 0) return y;
   if (x.scalar_type() == torch::kFloat16)
@@ -617,12 +618,8 @@ torch::Tensor ternary_linear(torch::Tensor x, torch::Tensor qweight, torch::Tens
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.size(0) == qweight.size(0),
               "scale must be contiguous fp32 (N, G)");
   const c10::cuda::CUDAGuard guard(x.device());
-  torch::Tensor bias_f;
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    bias_f = bias->to(torch::kFloat32).contiguous();
-    bp = bias_f.data_ptr<float>();
-  }
+  const torch::Tensor bias_f = float_bias(bias);
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto y = torch::empty({x.size(0), qweight.size(0)}, x.options());
   if (x.size(0) == 0 || qweight.size(0) == 0) return y;
   switch (x.scalar_type()) {
