@@ -29,6 +29,7 @@ sys.path.insert(0, str(_HERE.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from references.formats import PRESETS, TernarySpec  # noqa: E402
@@ -178,8 +179,44 @@ def floor_rows() -> list[dict]:
         nat = ternary_weights(128, w.shape[0], PRESETS["seed-article"], seed=2)
         rows.append(dict(kernel="cuda_mma_tiny", K=128, N=w.shape[0], M=1, median_us=round(graph_us(
             lambda: ternary_cuda.linear_mma(x, nat.tiles, nat.scale, None, nat.n, nat.k, 0, False), 64), 3)))
+    rows += read_floor_rows()
     for r in rows:
         print(f"  floor {r['kernel']:24s} {r['median_us']:8.2f} us", flush=True)
+    return rows
+
+
+@triton.jit
+def _read_kernel(src, out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Reads ITERS * BLOCK consecutive int32 and stores their XOR: a pure stream of the bytes."""
+    base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        acc ^= tl.load(src + offs, mask=offs < n, other=0)
+    tl.store(out + tl.program_id(0), tl.xor_sum(acc, axis=0))
+
+
+def read_floor_rows() -> list[dict]:
+    """The time to merely read the tiled weights of the M = 1 targets (K=4096, N=14336), rotated as in the
+    benchmark, in the same graph harness: the memory floor a kernel at that shape cannot beat. Best of a
+    few grids of a streaming Triton reader, and torch's sum over the same bytes."""
+    base = ternary_weights(4096, 14336, PRESETS["seed-article"], seed=1)
+    natives, next_native = rotating(lambda: repack_copy(base), base.nbytes)
+    n = base.tiles.numel()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    best = None
+    for block, warps, waves in itertools.product((1024, 2048, 4096), (4, 8), (1, 2, 4, 8)):
+        iters = max(1, -(-n // (block * sms * waves)))
+        grid = -(-n // (block * iters))
+        out = torch.empty(grid, dtype=torch.int32, device="cuda")
+        us = graph_us(lambda: _read_kernel[(grid,)](next_native().tiles, out, n, BLOCK=block, ITERS=iters,
+                                                    num_warps=warps), len(natives))
+        if best is None or us < best["median_us"]:
+            best = dict(kernel="read_tiles_triton", K=4096, N=14336, bytes=n * 4, median_us=round(us, 3),
+                        config=dict(BLOCK=block, ITERS=iters, grid=grid, num_warps=warps))
+    rows = [best, dict(kernel="read_tiles_torch_sum", K=4096, N=14336, bytes=n * 4, median_us=round(graph_us(
+        lambda: next_native().tiles.sum(dtype=torch.int64), len(natives)), 3))]
+    del natives
     return rows
 
 
@@ -214,14 +251,16 @@ def mma_candidates(m: int, n: int, k: int) -> list[dict]:
 
 
 def sweep_mma(copy_gbps: float) -> list[dict]:
-    """Blocks, pipelines and launch modes of the tensor-core kernel at the target shapes."""
+    """Blocks, pipelines and launch modes of the tensor-core kernel at the target shapes and three
+    smaller ones (small M)."""
     from kernels import ternary_cuda
 
     out = []
-    for (k, n) in [(4096, 14336), (14336, 4096)]:
+    for (k, n), ms in [((4096, 14336), (1, 4, 8, 16)), ((14336, 4096), (1, 4, 8, 16)),
+                       ((11008, 4096), (1, 4, 8)), ((5632, 2048), (1, 4, 8)), ((2048, 5632), (1, 4, 8))]:
         base = ternary_weights(k, n, PRESETS["seed-article"], seed=1)
         natives, next_native = rotating(lambda: repack_copy(base), base.nbytes)
-        for m in (1, 16):
+        for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             cands = []
             for cfg in mma_candidates(m, n, k):
@@ -318,10 +357,51 @@ def int8x_rows(copy_gbps: float) -> list[dict]:
                              bw_frac=round(lin_bytes / lin_us / 1e3 / copy_gbps, 4),
                              baseline="torch_bf16_linear", baseline_us=round(base_us, 3),
                              speedup=round(base_us / lin_us, 3)))
+    rows += int8x_native_rows(q.to(torch.int8), tensors, stream_bytes, copy_gbps, next_wb, len(copies))
     for r in rows:
         print(f"  {r['kernel']:22s} M={r['M']:2d} {r['median_us']:9.2f} us {r['gbps']:7.0f} GB/s  bf16 linear "
               f"{r['baseline_us']:8.2f} us  x{r['speedup']:.2f}", flush=True)
     del copies
+    return rows
+
+
+def int8x_native_rows(q: torch.Tensor, tensors: dict, stream_bytes: int, copy_gbps: float, next_wb,
+                      n_wb: int) -> list[dict]:
+    """The GEMV on the native layout (4-bit codes + outliers, repacked at load), its copies rotated over
+    256 MiB; at M = 1 the best of a few block sizes is reported too (``config``)."""
+    from kernels import int8x_native, int8x_native_triton
+
+    n, k = q.shape
+    base = int8x_native.pack(q, tensors["weight_scale"].cpu()).to("cuda")
+    natives, next_native = rotating(lambda: base._replace(codes=base.codes.clone(), outliers=base.outliers.clone(),
+                                                          row_ptr=base.row_ptr.clone()), base.nbytes)
+    bits = dict(native_bits_per_weight=round(base.nbytes * 8 / (n * k), 3),
+                stored_bits_per_weight=round(stream_bytes * 8 / (n * k), 3), outliers=base.outliers.numel())
+    rows = []
+    for m in (1, 16):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        base_us = graph_us(lambda: F.linear(x, next_wb()), n_wb)
+        cands = [(None, lambda: int8x_native_triton.linear(x, next_native()))]
+        if m == 1:
+            for bn, bkw, warps, stages in [(16, 16, 4, 3), (8, 32, 4, 2), (16, 32, 4, 2), (32, 16, 4, 3),
+                                           (32, 8, 4, 3), (16, 64, 8, 2), (64, 8, 8, 2), (8, 64, 4, 2)]:
+                cfg = dict(BN=bn, BKW=bkw, num_warps=warps, num_stages=stages)
+                cands.append((cfg, lambda cfg=cfg: int8x_native_triton.linear(x, next_native(), cfg=cfg)))
+        timed = [(cfg, graph_us(fn, len(natives))) for cfg, fn in cands]
+        for cfg, us in timed if m == 1 else timed[:1]:
+            lin_bytes = base.nbytes + (k + n) * 2 * m
+            rows.append(dict(kernel="int8x_native_linear_triton", K=k, N=n, M=m, dtype="bfloat16", config=cfg,
+                             median_us=round(us, 3), gbps=round(lin_bytes / us / 1e3, 1),
+                             bw_frac=round(lin_bytes / us / 1e3 / copy_gbps, 4), baseline="torch_bf16_linear",
+                             baseline_us=round(base_us, 3), speedup=round(base_us / us, 3), **bits))
+    out = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+    us = graph_us(lambda: int8x_native_triton.decode(next_native(), torch.bfloat16, out), len(natives))
+    dec_bytes = base.nbytes + n * k * 2
+    rows.append(dict(kernel="int8x_native_decode_triton", K=k, N=n, M=0, dtype="bfloat16", median_us=round(us, 3),
+                     gbps=round(dec_bytes / us / 1e3, 1), bw_frac=round(dec_bytes / us / 1e3 / copy_gbps, 4),
+                     baseline="torch_bf16_linear", baseline_us=rows[0]["baseline_us"],
+                     speedup=round(rows[0]["baseline_us"] / us, 3), bytes="layout read + bf16 weight written", **bits))
+    del natives
     return rows
 
 

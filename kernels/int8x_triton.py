@@ -124,7 +124,7 @@ def interpreted() -> bool:
     return not isinstance(_decode_kernel, triton.runtime.JITFunction)
 
 
-def _check_device(*tensors: torch.Tensor) -> None:
+def check_device(*tensors: torch.Tensor) -> None:
     device = tensors[0].device
     for t in tensors:
         if t.device != device:
@@ -170,7 +170,7 @@ def decode(b1: torch.Tensor, b2: torch.Tensor, l1: torch.Tensor, l2: torch.Tenso
     elif out.shape != (n_rows, n_cols) or not out.is_contiguous():
         raise ValueError(f"int8x triton decode: out must be contiguous ({n_rows}, {n_cols}), "
                          f"got {tuple(out.shape)} strides {out.stride()}")
-    _check_device(out, b1, b2, l1, l2, l3, b1_blk, b2_blk, scale)
+    check_device(out, b1, b2, l1, l2, l3, b1_blk, b2_blk, scale)
     grid = (triton.cdiv(n, block_size),)
     _decode_kernel[grid](out, scale, *_streams(b1, b2, l1, l2, l3), b1_blk, b2_blk, n,
                          BLOCK=block_size, BLOCK_P2=triton.next_power_of_2(block_size), WIDE=_wide(n))
@@ -195,7 +195,7 @@ def linear(x: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, l1: torch.Tensor
     """
     out = linear_out(x, n_rows, n_cols, out, "triton")
     m_rows = x.shape[0]
-    _check_device(x, out, b1, b2, l1, l2, l3, b1_blk, b2_blk, scale)
+    check_device(x, out, b1, b2, l1, l2, l3, b1_blk, b2_blk, scale)
     if m_rows == 0:
         return out
     block_m = min(MAX_BLOCK_M, triton.next_power_of_2(m_rows))

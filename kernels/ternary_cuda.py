@@ -35,9 +35,11 @@ def mma_config(m: int, n: int, k: int) -> dict:
     ``pdl`` makes it a programmatic dependent launch: it starts, and reads its first weights, during the
     previous kernel's tail, and waits for that kernel only before reading x (default on compute
     capability 9 and later unless ``PARITY_MMA_PDL=0``). From the H200 sweeps in
-    benchmarks/NOTES.md: up to 8 tokens, blocks of 16 warps and enough of them to give each multiprocessor
-    about two (fewer row tiles per block for small N); 9-16 tokens, about four 128-input chunks per warp
-    and a block per multiprocessor; above, 4 tiles and up to 8 warps per block.
+    benchmarks/NOTES.md: up to 8 tokens, blocks of 16 warps, as many row tiles per block as leave at
+    least 1.2 blocks per multiprocessor (0.9 above 4 tokens: each tile more shares the loads of x), and
+    8 loads in flight where the grid has no more blocks than multiprocessors (registers then do not
+    limit residency); 9-16 tokens, about four 128-input chunks per warp and a block per multiprocessor;
+    above, 4 tiles and up to 8 warps per block.
     """
     sms = _num_sms()
     nt, kc = -(-n // 16), -(-k // 128)
@@ -50,7 +52,9 @@ def mma_config(m: int, n: int, k: int) -> dict:
 
     launch = {"loads": 4, "pdl": _pdl_supported() and os.environ.get(ENV_PDL, "1") != "0"}
     if m <= 8:
-        return {"tn": tiles(1.6 * sms), "mb": 1, "warps": max(1, min(16, kc // 2)), **launch}
+        tn = tiles((1.2 if m <= 4 else 0.9) * sms)
+        loads = 8 if -(-nt // tn) <= sms else 4
+        return {"tn": tn, "mb": 1, "warps": max(1, min(16, kc)), **launch, "loads": loads}
     if m <= 16:
         return {"tn": tiles(0.9 * sms), "mb": 2, "warps": max(1, min(16, kc // 4)), **launch}
     return {"tn": 4, "mb": 2, "warps": max(1, min(8, kc // 4)), **launch}

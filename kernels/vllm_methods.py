@@ -33,7 +33,7 @@ from vllm.model_executor.parameter import (
 )
 from vllm.model_executor.utils import set_weight_attrs
 
-from kernels import int8x_ops, ternary_ops
+from kernels import int8x_native, int8x_ops, ternary_ops
 from references.errors import CheckpointError, DecodeError, FormatError
 from references.formats import Int8xSpec, TernarySpec
 from references.int8x import DTYPES as INT8X_DTYPES
@@ -41,6 +41,7 @@ from references.int8x import decode_int8
 from references.linear import FLOAT_DTYPES
 
 _QKV_INDEX = {"q": 0, "k": 1, "v": 2}
+NATIVE_TENSORS = ("codes", "row_ptr", "outliers", "scale")
 
 
 class Shard(NamedTuple):
@@ -362,9 +363,13 @@ class Int8xLinearMethod(LinearMethodBase):
     to a tensor-parallel shard nor concatenated across q/k/v, so each checkpoint tensor keeps its own
     container (filled when the loader sees it, as vLLM's GGUF support does) and ``apply`` runs one op
     per container. Tensor parallelism is refused: a shard would have to be decoded and re-encoded.
+    At load each container is repacked into the native layout (4-bit codes + outliers,
+    kernels/int8x_native.py) where that takes no more memory, else served from its streams
+    (``PARITY_INT8X_LAYOUT`` overrides).
     """
 
     # Above this many rows of x, decode once and run a dense GEMM; below, the fused decode-GEMV op.
+    # (Weights served in the native layout, kernels/int8x_native.py, go through its op, which decides.)
     GEMM_MIN_M = 16
 
     def __init__(self, spec: Int8xSpec, modules: list[str]):
@@ -410,21 +415,31 @@ class Int8xLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer) -> None:
         layer.parity_tracker.check_complete()
+        natives = []
         for shard, streams in zip(layer.parity_tracker.shards, layer.parity_streams):
             # Full validation once, naming <module>.<suffix>; the ops trust their input afterwards.
             try:
-                decode_int8({s: t.cpu() for s, t in streams.items()}, self.spec, name=shard.module)
+                q = decode_int8({s: t.cpu() for s, t in streams.items()}, self.spec, name=shard.module)
             except (FormatError, DecodeError) as exc:
                 tensor = str(exc).split(":", 1)[0]
                 raise CheckpointError(f"{_file_of(layer.parity_tracker.model_dir, tensor)}: {exc}") from None
+            natives.append(int8x_native.for_serving(q, streams))
         layer.parity_shapes = [(s.n, s.k) for s in layer.parity_tracker.shards]
         layer.parity_n = sum(n for n, _ in layer.parity_shapes)
-        layer.parity_backend = int8x_backend(layer.parity_streams[0]["weight_b1"].device)
+        device = layer.parity_streams[0]["weight_b1"].device
+        layer.parity_backend = int8x_backend(device)
+        layer.parity_native_backend = int8x_native.backend_for(device)
+        layer.parity_native = [native is not None for native in natives]
         _release(layer, Int8xSpec.suffixes)
-        # Buffers, so that moving the module moves the streams with it; the load-time dicts go.
-        for i, streams in enumerate(layer.parity_streams):
-            for suffix in int8x_ops.STREAMS:
-                layer.register_buffer(f"parity_{i}_{suffix}", streams[suffix], persistent=False)
+        # Buffers, so that moving the module moves the weights with it; the load-time dicts go.
+        for i, (streams, native) in enumerate(zip(layer.parity_streams, natives)):
+            if native is None:
+                kept = {suffix: streams[suffix] for suffix in int8x_ops.STREAMS}
+            else:
+                native = native.to(device)
+                kept = {name: getattr(native, name) for name in NATIVE_TENSORS}
+            for name, t in kept.items():
+                layer.register_buffer(f"parity_{i}_{name}", t, persistent=False)
         del layer.parity_streams
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -432,6 +447,10 @@ class Int8xLinearMethod(LinearMethodBase):
         gemm = x2.shape[0] > self.GEMM_MIN_M
         outs = []
         for i, (n, k) in enumerate(layer.parity_shapes):
+            if layer.parity_native[i]:
+                args = [getattr(layer, f"parity_{i}_{name}") for name in NATIVE_TENSORS]
+                outs.append(torch.ops.vllm_parity.int8x_native_linear(x2, *args, n, k, layer.parity_native_backend))
+                continue
             args = [getattr(layer, f"parity_{i}_{suffix}") for suffix in int8x_ops.STREAMS]
             if gemm:
                 w = torch.ops.vllm_parity.int8x_decode(*args, n, k, self.spec.block_size, x2.dtype,

@@ -29,7 +29,12 @@ class KernelLinear(nn.Module):
             if self.native.device.type == "cuda":
                 self.native = self.native.with_tiles()  # for the tensor-core kernel
         elif isinstance(ref.spec, Int8xSpec):
+            from kernels import int8x_native
+            from references.int8x import decode_int8
+
             self.tensors = dict(ref.stored)
+            # The layout vLLM would serve: native where it fits (PARITY_INT8X_LAYOUT), else the streams.
+            self.native = int8x_native.for_serving(decode_int8(self.tensors, ref.spec, name=ref.name), self.tensors)
         else:
             raise TypeError(f"{ref.name}: no kernel for {type(ref.spec).__name__}")
 
@@ -38,6 +43,12 @@ class KernelLinear(nn.Module):
             from kernels import ternary_ops
 
             return ternary_ops.ternary_linear(x, self.native, backend=self.backend)
+        if self.native is not None:
+            from kernels import int8x_native
+
+            if self.native.codes.device != x.device:
+                self.native = self.native.to(x.device)
+            return int8x_native.linear(x, self.native, backend=int8x_native.backend_for(x.device, self.backend))
         from kernels import int8x_ops
 
         return int8x_ops.linear(x, self.tensors, shape=(self.out_features, self.in_features), spec=self.spec,

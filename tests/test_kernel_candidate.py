@@ -12,8 +12,10 @@ SMALL = Dims(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=256, vocab=
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["hf-bitnet", "int8x"])
-def test_kernel_candidate_passes_every_level(pytester, tmp_path, fmt):
+@pytest.mark.parametrize("fmt, layout", [("hf-bitnet", None), ("int8x", "streams"), ("int8x", "native")])
+def test_kernel_candidate_passes_every_level(pytester, tmp_path, monkeypatch, fmt, layout):
+    if layout:
+        monkeypatch.setenv("PARITY_INT8X_LAYOUT", layout)  # the fixture's weights are wide: auto keeps streams
     model = make_fixture(fmt, tmp_path / fmt, dims=SMALL)
     result = pytester.run(sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--parity-level=model",
                           "--parity-candidate=kernels", f"--parity-model={model}",
@@ -23,3 +25,14 @@ def test_kernel_candidate_passes_every_level(pytester, tmp_path, fmt):
     rep = json.loads((tmp_path / "report" / "report.json").read_text())
     assert rep["passed"] and rep["run"]["candidate"] == "kernels" and rep["run"]["mode"] == "isolated"
     assert all(t["isolated"]["passed"] for t in rep["taps"])
+
+
+@pytest.mark.parametrize("layout, native", [("native", True), ("streams", False), ("auto", False)])
+def test_kernel_candidate_serves_int8x_in_the_chosen_layout(tmp_path, monkeypatch, layout, native):
+    from parity.kernel_candidate import KernelLinear, build_kernel_model
+    from references.checkpoint import Checkpoint
+
+    monkeypatch.setenv("PARITY_INT8X_LAYOUT", layout)
+    model = build_kernel_model(Checkpoint(make_fixture("int8x", tmp_path / "m", dims=SMALL)))
+    linears = [m for m in model.modules() if isinstance(m, KernelLinear)]
+    assert linears and {m.native is not None for m in linears} == {native}

@@ -113,3 +113,25 @@ def test_hf_bitnet_reference_linear_matches_transformers_bitlinear():
     x = torch.randn(4, 9, k, generator=g) * 3
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+
+
+def test_capture_does_not_depend_on_the_first_forward(fixture_dirs, tmp_path):
+    """A process's first forward can take other library code paths (fp32 attention 3e-4 off, one run in
+    ten on two threads); the dump must hold what every later forward computes."""
+    from parity.reference_side import capture
+
+    model = build_reference_model(fixture_dirs["int8x"])
+    prompts = [p[:24] for p in load_prompts()[:2]]
+    calls = []
+
+    def first_call_differs(mod, args, out):
+        calls.append(1)
+        if len(calls) == 1:
+            return (out[0] + 1e-3, *out[1:]) if isinstance(out, tuple) else out + 1e-3
+
+    handle = model.model.layers[0].register_forward_hook(first_call_differs)
+    dump = capture(model, prompts, tmp_path / "dump")
+    with torch.no_grad():
+        steady = model(torch.tensor([prompts[0]]), use_cache=False, output_hidden_states=True).hidden_states[1]
+    handle.remove()
+    torch.testing.assert_close(dump.get("layers.0.output", 0), steady[0], rtol=0, atol=0)

@@ -485,6 +485,20 @@ def test_mma_dependent_launch_follows_the_device_and_the_environment(monkeypatch
     assert cfg["pdl"] is False, "an explicit request cannot turn it on where the device lacks it"
 
 
+@pytest.mark.parametrize("m, k, n, want", [
+    (1, 4096, 14336, (4, 16, 4)), (8, 4096, 14336, (4, 16, 4)),
+    (1, 14336, 4096, (1, 16, 4)), (4, 14336, 4096, (1, 16, 4)), (8, 14336, 4096, (2, 16, 8)),
+    (8, 11008, 4096, (2, 16, 8)), (1, 5632, 2048, (1, 16, 8)), (8, 5632, 2048, (1, 16, 8)),
+    (1, 2048, 5632, (2, 16, 4)), (8, 2048, 5632, (2, 16, 4)),
+])
+def test_mma_config_small_m_follows_the_h200_sweep(monkeypatch, m, k, n, want):
+    """(row tiles, warps, loads) up to 8 tokens: the sweep's best, or within 5 % of it, at each measured
+    shape (benchmarks/results/kernels_h200.json)."""
+    monkeypatch.setattr(ternary_cuda, "_num_sms", lambda: 132)
+    cfg = ternary_cuda.mma_config(m, n, k)
+    assert (cfg["tn"], cfg["warps"], cfg["loads"]) == want and cfg["mb"] == 1, cfg
+
+
 @settings(max_examples=100, **HYP)
 @given(tn=st.sampled_from([1, 2, 4]), mb=st.sampled_from([1, 2]), warps=st.integers(-3, 40),
        loads=st.sampled_from([4, 8]), group_size=st.sampled_from([0, 128, 256]))
