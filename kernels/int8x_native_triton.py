@@ -153,9 +153,24 @@ def _decode_kernel(codes_ptr, row_ptr, out_ptr, scale_ptr, w_ptr, N, K, KW,
         tl.store(w_ptr + row * K + col, (val * scale).to(w_ptr.dtype.element_ty), mask=e_mask)
 
 
+def _check(native: Int8xNative) -> int:
+    """The layout's tensors as the kernels read them (contiguous int32, fp32 scale); returns words per row."""
+    n, k = native.n, native.k
+    words = -(-k // CODES_PER_WORD)
+    want = {"codes": ((n, words), torch.int32), "row_ptr": ((n + 1,), torch.int32),
+            "outliers": ((native.outliers.numel(),), torch.int32), "scale": ((1,), torch.float32)}
+    for name, (shape, dtype) in want.items():
+        t = getattr(native, name)
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"int8x native: {name} must be contiguous {dtype} {shape} for a ({n}, {k}) weight, "
+                             f"got {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
+    return words
+
+
 def decode(native: Int8xNative, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """The dense weight ``q * scale`` (N, K) in ``dtype`` (rounded once from fp32), on the layout's device."""
     n, k = native.n, native.k
+    words = _check(native)
     if out is None:
         out = torch.empty((n, k), dtype=dtype, device=native.codes.device)
     check_device(out, native.codes, native.row_ptr, native.outliers, native.scale)
@@ -168,7 +183,7 @@ def decode(native: Int8xNative, dtype: torch.dtype, out: torch.Tensor | None = N
         {"BN": 8, "BKW": 64, "BE": 64, "num_warps": 4}
     outliers = native.outliers if native.outliers.numel() else native.row_ptr  # never read when empty
     _decode_kernel[(triton.cdiv(n, cfg["BN"]),)](native.codes, native.row_ptr, outliers, native.scale, out, n, k,
-                                                native.codes.shape[1], **cfg)
+                                                words, **cfg)
     return out
 
 
@@ -186,10 +201,7 @@ def linear(x: torch.Tensor, native: Int8xNative, out: torch.Tensor | None = None
     """``y = x @ W^T`` for a 2-D ``x`` (M, K) of any strides; ``out`` (M, N) in x's dtype may be given."""
     n, k = native.n, native.k
     out = linear_out(x, n, k, out, "int8x native")
-    words = -(-k // CODES_PER_WORD)
-    if tuple(native.codes.shape) != (n, words) or tuple(native.row_ptr.shape) != (n + 1,):
-        raise ValueError(f"int8x native: codes {tuple(native.codes.shape)} / row_ptr {tuple(native.row_ptr.shape)} "
-                         f"do not describe a ({n}, {k}) weight")
+    words = _check(native)
     check_device(x, out, native.codes, native.row_ptr, native.outliers, native.scale)
     m = x.shape[0]
     if m == 0 or n == 0:

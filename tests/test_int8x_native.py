@@ -179,6 +179,21 @@ def test_bad_input_is_a_clear_error():
         nv.linear(torch.randn(1, 16), nat, backend="cuda")
 
 
+@needs_triton
+def test_triton_launchers_check_the_layout():
+    from kernels import int8x_native_triton
+
+    nat = _native(torch.zeros(4, 24, dtype=torch.int8), device=TRITON_DEVICE)
+    x = torch.randn(1, 24, device=TRITON_DEVICE)
+    bad = {"codes": nat.codes.t().contiguous().t(), "row_ptr": nat.row_ptr.long(), "scale": nat.scale.half()}
+    for name, t in bad.items():
+        with pytest.raises(ValueError, match=f"int8x native: {name} must be contiguous"):
+            int8x_native_triton.linear(x, nat._replace(**{name: t}))
+    with pytest.raises(ValueError, match=r"codes must be contiguous torch.int32 \(4, 4\) for a \(4, 25\) "
+                                         r"weight, got torch.int32 \(4, 3\)"):
+        int8x_native_triton.decode(nat._replace(k=25), torch.float16)
+
+
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("m", [1, 7, 16, 40])
