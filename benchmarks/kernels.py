@@ -315,14 +315,12 @@ def sweep(copy_gbps: float) -> list[dict]:
 def int8x_rows(copy_gbps: float) -> list[dict]:
     """INT8-X standalone decode and fused decode-GEMV (M=1, K=4096, N=14336) against torch bf16 F.linear."""
     from references.int8x import encode
-    from kernels import int8x_ops
+    from kernels import int8x_native, int8x_ops
 
     k, n = 4096, 14336
     q = (torch.randn(n, k, generator=torch.Generator().manual_seed(3)) * 2.5).round().clamp(-127, 127)
     tensors = {key: v.cuda() for key, v in encode(q.to(torch.int8), 0.01).items()}
-    stream_bytes = sum(tensors[s].numel() * tensors[s].element_size()
-                       for s in ("weight_b1", "weight_b2", "weight_l1", "weight_l2", "weight_l3",
-                                 "weight_b1_blk", "weight_b2_blk"))
+    stream_bytes = int8x_native.stored_bytes(tensors)
     rows = []
     wb = (q * 0.01).to(torch.bfloat16).cuda()
     copies, next_wb = rotating(lambda: wb.clone(), wb.numel() * 2, cap=4)

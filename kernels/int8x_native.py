@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import torch
 
+from kernels import int8x_ops
+
 BACKENDS = ("torch", "triton", "auto")
 ENV_LAYOUT = "PARITY_INT8X_LAYOUT"
 LAYOUTS = ("auto", "native", "streams")
@@ -82,8 +84,7 @@ def unpack(native: Int8xNative) -> torch.Tensor:
     rows = torch.searchsorted(native.row_ptr, e.to(native.row_ptr.dtype), right=True) - 1
     cols = native.outliers >> 8
     vals = (native.outliers << 24) >> 24
-    q = q.clone()
-    q[rows, cols] = vals
+    q[rows, cols] = vals  # q is a view of a fresh tensor: no copy needed
     return q.to(torch.int8)
 
 
@@ -111,9 +112,9 @@ def for_serving(q: torch.Tensor, tensors: dict[str, torch.Tensor]) -> Int8xNativ
 
 
 def backend_for(device: torch.device, requested: str | None = None) -> str:
-    """``torch`` or ``triton`` from a requested int8x backend (or ``PARITY_KERNEL_BACKEND``): the layout has
+    """``torch`` or ``triton`` from a requested int8x backend (or ``int8x_ops.ENV_BACKEND``): the layout has
     no CUDA C++ kernel, so ``cuda`` and ``auto`` mean Triton on CUDA tensors and torch elsewhere."""
-    chosen = requested or os.environ.get("PARITY_KERNEL_BACKEND") or "auto"
+    chosen = requested or os.environ.get(int8x_ops.ENV_BACKEND) or "auto"
     return chosen if chosen in ("torch", "triton") else _resolve("auto", device)
 
 
