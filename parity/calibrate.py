@@ -1,40 +1,68 @@
-"""Measured tolerances: each tap's noise floor, with headroom, capped by what the format can resolve.
+"""Measured tolerances: the spread between independent correct implementations, with headroom,
+capped by what the format can resolve.
 
-The noise floor of a tap is the larger of
-- the reference's own rounding: the fp32 reference against the same reference in fp64, and
-- the candidate's nondeterminism: the candidate against itself over two runs.
-Times ``headroom`` it becomes the tap's atol. For a quantized projection the format sets an upper
-limit: one code off by one moves one output by ``scale x |x_j|``; the tolerance is kept below half the
-smallest such move over the typical input, so that a single wrong code still fails.
+A correct candidate differs from the fp32 reference by what any two correct implementations differ
+by: other kernels, another summation order, fused operations. Calibration measures that spread per tap
+as the largest of
+- the fp32 reference against the same reference in fp64 (its own rounding),
+- against itself with another attention implementation (``sdpa`` instead of ``eager``),
+- against itself with every linear summed in the reverse order of its input features,
+- the candidate against itself over two runs (its nondeterminism),
+each as the two criteria of a tolerance (``parity.metrics.spread``): the largest per-token relative
+error, and the largest element error relative to ``|r| + rms(row)``. Times ``headroom`` they become the
+tap's ``token_rtol`` and ``rtol = row_rtol``. For a quantized projection the format sets an upper limit:
+one code off by one moves one output by ``scale x |x_j|``; both are kept below half of that move over
+typical inputs and outputs, so that a single wrong code still fails.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from parity.dumps import DumpReader
+from parity.metrics import row_scale, rows_of, spread
 from parity.taps import PROJECTION_OF
 from parity.tolerances import ToleranceTable
 from references.checkpoint import Checkpoint
 from references.formats import Int8xSpec, TernarySpec
 from references.int8x import scale_of
 
+FLOOR = 1e-6  # no tolerance tighter than this (about 16 fp32 roundings): exact taps stay judgeable
+VARIANTS = {
+    "fp64": "the reference in fp64",
+    "sdpa": "the reference with sdpa attention",
+    "reversed": "the reference with every linear summed in reverse input order",
+}
 
 
-def _max_abs(a: DumpReader, b: DumpReader, tap: str) -> tuple[float, float]:
-    """(max |a - b|, max |a|) over every prompt of a tap."""
-    diff = mag = 0.0
-    for p in a.prompts(tap):
-        x, y = a.get(tap, p).double(), b.get(tap, p).double()
-        diff = max(diff, float((x - y).abs().max()))
-        mag = max(mag, float(x.abs().max()))
-    return diff, mag
+@contextlib.contextmanager
+def reversed_summation():
+    """Every ``F.linear`` (the reference's linears and nn.Linear) sums its input features in reverse
+    order: mathematically the same product, rounded another way."""
+    plain = F.linear
+
+    def linear(x, weight, bias=None):
+        return plain(x.flip(-1), weight.flip(-1), bias)
+
+    F.linear = linear
+    try:
+        yield
+    finally:
+        F.linear = plain
 
 
-def format_cap(ckpt: Checkpoint, reference: DumpReader, tap: str) -> float | None:
-    """Half the output change of one code off by one, for the projection behind an op tap."""
+def _stack(dump: DumpReader, tap: str) -> torch.Tensor:
+    return torch.cat([rows_of(dump.get(tap, p)) for p in dump.prompts(tap)])
+
+
+def format_cap(ckpt: Checkpoint, reference: DumpReader, tap: str) -> tuple[float, float] | None:
+    """(token_rtol, row_rtol) at half the output change of one code off by one, for the projection
+    behind an op tap."""
     parts = tap.split(".", 2)
     if len(parts) < 3 or parts[0] != "layers" or parts[2] not in PROJECTION_OF or ckpt.spec is None:
         return None
@@ -51,46 +79,56 @@ def format_cap(ckpt: Checkpoint, reference: DumpReader, tap: str) -> float | Non
                             dtype=torch.float64)
     else:
         return None
-    source = f"layers.{parts[1]}.{input_tap}"
-    x = torch.cat([reference.get(source, p) for p in reference.prompts(source)]).double().abs()
-    typical_x = float(x.median())
-    return 0.5 * float(torch.quantile(step.flatten(), 0.1)) * typical_x
+    x = _stack(reference, f"layers.{parts[1]}.{input_tap}").double().abs()
+    move = float(torch.quantile(step.flatten(), 0.1)) * float(x.median())  # one code off by one
+    y = _stack(reference, tap).double()
+    s = row_scale(y)
+    per_element = float((y.abs() + s).median())
+    per_token = float(s.median()) * math.sqrt(y.shape[1])
+    return 0.5 * move / per_token, 0.5 * move / per_element
 
 
-def calibrate(ckpt: Checkpoint, taps: list[str], ref32: DumpReader, ref64: DumpReader, cand_a: DumpReader,
-              cand_b: DumpReader, headroom: float = 10.0, max_growth: float = 10.0) -> tuple[ToleranceTable, dict]:
+def calibrate(ckpt: Checkpoint, taps: list[str], ref32: DumpReader, variants: dict[str, DumpReader],
+              cand_a: DumpReader, cand_b: DumpReader, headroom: float = 10.0,
+              max_growth: float = 10.0) -> tuple[ToleranceTable, dict]:
     """A tolerance table with one exact rule per tap, and the measurements behind it."""
     rules, notes = [], {}
     for tap in taps:
-        ref_noise, mag = _max_abs(ref64, ref32, tap)
-        cand_noise, _ = _max_abs(cand_a, cand_b, tap)
-        floor = max(ref_noise, cand_noise, 1e-7 * mag, 1e-12)
-        atol = headroom * floor
+        ref = _stack(ref32, tap)
+        measured = {name: spread(ref, _stack(dump, tap)) for name, dump in variants.items()}
+        measured["candidate_vs_itself"] = spread(_stack(cand_a, tap), _stack(cand_b, tap))
+        token = max(FLOOR, *(t for t, _ in measured.values()))
+        element = max(FLOOR, *(e for _, e in measured.values()))
+        token_rtol, row_rtol = headroom * token, headroom * element
         cap = format_cap(ckpt, ref32, tap)
-        capped = cap is not None and atol > cap
-        if capped:
-            atol = cap
-        rules.append((tap, {"atol": float(f"{atol:.3g}"), "rtol": 0.0}))
-        notes[tap] = {"reference_fp32_vs_fp64": ref_noise, "candidate_vs_itself": cand_noise, "magnitude": mag,
-                      "format_cap": cap, "capped": capped, "atol": atol}
+        capped = cap is not None and (token_rtol > cap[0] or row_rtol > cap[1])
+        if cap is not None:
+            token_rtol, row_rtol = min(token_rtol, cap[0]), min(row_rtol, cap[1])
+        row_rtol = float(f"{row_rtol:.3g}")
+        rules.append((tap, {"token_rtol": float(f"{token_rtol:.3g}"), "row_rtol": row_rtol, "rtol": row_rtol,
+                            "atol": 0.0}))
+        notes[tap] = {"spread": {k: {"token_rel": t, "element": e} for k, (t, e) in measured.items()},
+                      "widest": max(measured, key=lambda k: measured[k][0]),
+                      "format_cap": None if cap is None else {"token_rtol": cap[0], "row_rtol": cap[1]},
+                      "capped": capped, "token_rtol": token_rtol, "row_rtol": row_rtol}
     return ToleranceTable(rules=rules, max_growth=max_growth, source="calibrated"), notes
 
 
 def write(table: ToleranceTable, notes: dict, path: str | Path, headroom: float) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = ["# Calibrated by `pytest --parity-calibrate`: atol = headroom x max(fp32-vs-fp64 noise of the",
-             f"# reference, candidate-vs-itself noise), headroom {headroom:g}; quantized projections capped at",
-             "# half the output change of one code off by one.", ""]
-    body = table.to_toml().splitlines()
-    for line in body:
+    lines = ["# Calibrated by `pytest --parity-calibrate`: per tap, headroom x the widest spread between",
+             "# correct implementations (" + "; ".join(VARIANTS.values()) + "; the candidate against itself),",
+             f"# headroom {headroom:g}: token_rtol from the per-token relative error, rtol = row_rtol from the",
+             "# element error relative to |r| + rms(row); quantized projections capped at half the output",
+             "# change of one code off by one.", ""]
+    for line in table.to_toml().splitlines():
         lines.append(line)
         tap = line.split('"')[1] if line.startswith('"') else None
-        if tap and notes[tap]["capped"]:
-            noise = max(notes[tap]["reference_fp32_vs_fp64"], notes[tap]["candidate_vs_itself"])
-            lines[-1] += f"  # capped by the format (noise x headroom: {headroom * noise:.3g})"
+        if tap:
+            n = notes[tap]
+            lines[-1] += f"  # widest: {n['widest']}" + (" (capped by the format)" if n["capped"] else "")
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
     return path
-

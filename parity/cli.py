@@ -113,12 +113,15 @@ def _tap_rows(taps: list[dict]) -> list[list[str]]:
         mt = t.get("min_tolerance") or {}
         # report JSON holds an infinite SQNR (identical tensors) as null
         sqnr = "inf" if m.get("sqnr_db") is None and m.get("max_abs") == 0 else _g(m.get("sqnr_db"), ".1f")
-        rows.append([t["name"], _g(m.get("max_abs")), _g(m.get("cosine"), ".6f"), sqnr,
-                     _g(t["tolerance"]["atol"]), _g(mt.get("atol")), _result_cell(t)])
+        tol = t["tolerance"]
+        rows.append([t["name"], _g(m.get("token_rel")), _g(tol.get("token_rtol")), _g(mt.get("row_rtol")),
+                     _g(tol.get("row_rtol")), _g(m.get("max_abs")), _g(m.get("cosine"), ".6f"), sqnr,
+                     _g(tol["atol"]), _g(mt.get("atol")), _g(t.get("margin")), _result_cell(t)])
     return rows
 
 
-TAP_HEAD = ["tap", "max_abs", "cosine", "SQNR dB", "atol", "min passing atol", "result"]
+TAP_HEAD = ["tap", "token rel", "token_rtol", "min passing row_rtol", "row_rtol", "max_abs", "cosine", "SQNR dB",
+            "atol", "min passing atol", "margin", "result"]
 
 
 def _dump_info(d: Any) -> dict:

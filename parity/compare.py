@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,14 +36,17 @@ class TapResult:
         return {
             "name": self.name, "level": self.level, "layer": self.layer, "shape": self.shape,
             "metrics": None if m is None else {k: m[k] for k in ("max_abs", "max_rel", "mean_abs", "cosine",
-                                                                  "sqnr_db", "mismatch_frac")},
+                                                                  "sqnr_db", "mismatch_frac", "token_rel")},
             "tolerance": self.tolerance.as_dict(), "passed": self.passed, "growth": self.growth,
-            "min_tolerance": None if m is None else {"atol": m["min_atol"], "rtol": self.tolerance.rtol},
+            "margin": None if m is None else m["margin"],
+            "min_tolerance": None if m is None else {"atol": m["min_atol"], "rtol": self.tolerance.rtol,
+                                                     "row_rtol": m["min_row_rtol"], "token_rtol": m["token_rel"]},
             "worst": None if m is None else {"index": m["worst_index"], "reference": m["worst_ref"],
                                              "candidate": m["worst_cand"]},
             "role": self.role, "fed_by": self.fed_by, "message": self.message,
-            **({"isolated": {"metrics": self.isolated.as_dict()["metrics"], "passed": self.isolated.passed,
-                             "message": self.isolated.message}} if self.isolated is not None else {}),
+            **({"isolated": {k: v for k, v in self.isolated.as_dict().items()
+                             if k in ("metrics", "passed", "message", "margin", "min_tolerance")}}
+               if self.isolated is not None else {}),
         }
 
 
@@ -62,7 +66,7 @@ def compare_tap(ref: DumpReader, cand: DumpReader, tap: str, table: ToleranceTab
     dtype = DTYPES.get(ref.entry(tap, prompts[0])["dtype"], torch.float32) if prompts else torch.float32
     cand_dtype = DTYPES.get(cand.entry(tap, cand.prompts(tap)[0])["dtype"], dtype) if cand.prompts(tap) else dtype
     # the looser of the two sides' dtypes sets the default
-    tol = table.resolve(tap, max((dtype, cand_dtype), key=lambda d: table.resolve(tap, d).atol))
+    tol = table.resolve(tap, max((dtype, cand_dtype), key=lambda d: _looseness(table.resolve(tap, d))))
     missing = sorted(set(prompts) - set(cand.prompts(tap)))
     if not prompts or missing:
         why = "absent from the reference" if not prompts else f"prompts {missing} missing in the candidate"
@@ -76,8 +80,13 @@ def compare_tap(ref: DumpReader, cand: DumpReader, tap: str, table: ToleranceTab
     p, pos = rows[m.worst_index[0]]
     m = Metrics(**{**m.__dict__, "worst_index": (p, pos, *m.worst_index[1:])})
     ok = passes(m, tol)
+    tp, tpos = rows[m.worst_token]
     return TapResult(tap, level, layer, [len(prompts), *list(r.shape)], m, tol, ok,
-                     message="" if ok else describe(tap, m, tol))
+                     message="" if ok else describe(tap, m, tol, row=f"prompt {tp}, position {tpos}"))
+
+
+def _looseness(tol: Tolerance) -> tuple[float, float, float]:
+    return tol.token_rtol if math.isfinite(tol.token_rtol) else 0.0, tol.row_rtol + tol.rtol, tol.atol
 
 
 def compare_dumps(ref: DumpReader, cand: DumpReader, taps: list[str], table: ToleranceTable,
@@ -106,19 +115,30 @@ def merge_isolated(propagated: list[TapResult], isolated: list[TapResult]) -> No
             r.role = "pass"
 
 
+GROWTH_FLOOR = 0.01  # of the tolerance: below it an error is rounding noise, and growth from it no jump
+
+
 def apply_growth(results: list[TapResult], table: ToleranceTable) -> None:
-    """Flag a layer output whose error jumps by more than max_growth x the previous layer's."""
+    """Flag a layer output whose error jumps by more than max_growth x the previous layer's.
+
+    The error is the per-token relative one (a layer that adds a massive activation grows the absolute
+    error with the signal, not the relative one); tables judged elementwise only keep the absolute one.
+    """
     prev: TapResult | None = None
     for r in results:
         if r.level != LEVEL_BLOCK or not r.name.endswith(".output") or r.metrics is None:
             continue
         if prev is not None and prev.metrics is not None:
-            floor = max(prev.metrics.max_abs, 0.01 * r.tolerance.atol)  # fp noise alone must not count as a jump
-            r.growth = r.metrics.max_abs / floor
+            relative = not r.tolerance.elementwise_only
+            err, before = ((r.metrics.token_rel, prev.metrics.token_rel) if relative
+                           else (r.metrics.max_abs, prev.metrics.max_abs))
+            bound = r.tolerance.token_rtol if relative else r.tolerance.atol
+            r.growth = err / max(before, GROWTH_FLOOR * bound, 1e-300)
             if r.growth > table.max_growth and r.passed:
+                what = "token relative error" if relative else "error"
                 r.passed = False
-                r.message = (f"{r.name}: error grew {r.growth:.1f}x over {prev.name} "
-                             f"({prev.metrics.max_abs:.3g} -> {r.metrics.max_abs:.3g}), above max_growth "
+                r.message = (f"{r.name}: {what} grew {r.growth:.1f}x over {prev.name} "
+                             f"({before:.3g} -> {err:.3g}), above max_growth "
                              f"{table.max_growth:g}, although inside tolerance")
         prev = r
 

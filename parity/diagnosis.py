@@ -46,6 +46,8 @@ MATCH_REL = 0.05  # a candidate column equals a reference column within this rel
 MATCH_COS = 0.999
 SLICE_SAMPLES = 64
 DRIFT_MIN_GROWTH = 2.0  # last / first error of a drift
+# The same for a relative error: normalized by a signal that itself grows with depth, it grows less.
+DRIFT_MIN_GROWTH_RELATIVE = 1.5
 DRIFT_RISING = 0.7  # share of layer-to-layer steps that must not fall
 JUMP_MIN = 2.5  # a step of at least this factor that also dwarfs the typical step is a jump
 ROW_PARALLEL = ("attn.o", "mlp.down")  # outputs all-reduced over ranks' partial sums
@@ -784,10 +786,12 @@ def diagnose_tap(tap: str, ref: torch.Tensor, cand: torch.Tensor, linear: Linear
 
 
 @_single_threaded
-def diagnose_depth(errors: list[tuple[str, float]], tolerance_atol: float) -> list[Hint]:
+def diagnose_depth(errors: list[tuple[str, float]], tolerance_atol: float, what: str = "max_abs",
+                   bound: str = "atol", min_growth: float = DRIFT_MIN_GROWTH) -> list[Hint]:
     """A small error growing steadily with depth (drift), told apart from a jump at one layer.
 
-    ``errors``: (``layers.{i}.output``, max_abs error) in layer order.
+    ``errors``: (``layers.{i}.output``, error) in layer order; ``what`` names the error (``max_abs``,
+    ``token relative error``) and ``bound`` the tolerance it is held to (``atol``, ``token_rtol``).
     """
     if len(errors) < 4 or not all(math.isfinite(float(e)) and float(e) >= 0 for _, e in errors):
         return []
@@ -795,7 +799,7 @@ def diagnose_depth(errors: list[tuple[str, float]], tolerance_atol: float) -> li
     e = torch.tensor([max(float(v), floor) for _, v in errors], dtype=torch.float64)
     growth = float(e[-1] / e[0])
     # small at the first layer (a few atol at most), rising from there, and large enough to matter
-    if growth < DRIFT_MIN_GROWTH or float(e[0]) > 3 * tolerance_atol or float(e.max()) < 0.1 * tolerance_atol:
+    if growth < min_growth or float(e[0]) > 3 * tolerance_atol or float(e.max()) < 0.1 * tolerance_atol:
         return []
     logs = e.log()
     steps = torch.diff(logs)
@@ -811,12 +815,12 @@ def diagnose_depth(errors: list[tuple[str, float]], tolerance_atol: float) -> li
     slope = float(((i - i.mean()) * (logs - logs.mean())).sum() / ((i - i.mean()) ** 2).sum())
     above = [k for k, v in enumerate(e.tolist()) if v > tolerance_atol]
     first, last = errors[0][0], errors[-1][0]
-    cross = f"first above atol {tolerance_atol:g} at {errors[above[0]][0]}" if above else \
-        f"still inside atol {tolerance_atol:g}"
+    cross = f"first above {bound} {tolerance_atol:g} at {errors[above[0]][0]}" if above else \
+        f"still inside {bound} {tolerance_atol:g}"
     tap = errors[above[0]][0] if above else last
     return [Hint(
         tap, "drift",
-        f"max_abs of the layer outputs grows steadily from {_g(float(e[0]))} ({first}) to {_g(float(e[-1]))} "
+        f"{what} of the layer outputs grows steadily from {_g(float(e[0]))} ({first}) to {_g(float(e[-1]))} "
         f"({last}) over {len(e)} layers: ×{math.exp(slope):.3g} per layer (log-linear fit), rising in "
         f"{rising} of {len(steps)} steps, largest single step ×{math.exp(largest):.3g}; {cross}",
         "no single layer is the source: look for a small systematic error in every layer — the RMSNorm "

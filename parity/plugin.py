@@ -55,10 +55,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--parity-trend", default=None, metavar="FILE",
                 help="append the run's minimum passing tolerance per tap to FILE (JSON Lines; `parity trend`)")
     g.addoption("--parity-calibrate", default=None, metavar="FILE",
-                help="measure each tap's noise floor (reference fp32 vs fp64, candidate vs itself), write the "
-                     "tolerances with headroom to FILE (TOML, for --parity-tolerances) and use them")
+                help="measure each tap's spread between correct implementations (the reference in fp64, with sdpa "
+                     "attention, with reversed summation; the candidate against itself), write the tolerances "
+                     "with headroom to FILE (TOML, for --parity-tolerances) and use them")
     g.addoption("--parity-headroom", type=float, default=10.0, metavar="X",
-                help="calibrated atol = X times the measured noise floor (default 10)")
+                help="calibrated tolerance = X times the measured spread (default 10)")
     g.addoption("--parity-compiled", action="store_true",
                 help="run the engine compiled (not eager): module hooks do not fire, so only the model level "
                      "runs, on vLLM's own outputs (greedy tokens, prompt log-probs)")
@@ -137,8 +138,10 @@ class ParityItem(pytest.Item):
         if r.metrics is not None:
             for k, v in r.as_dict()["metrics"].items():
                 self.user_properties.append((k, v))
-            self.user_properties.append(("min_atol", r.metrics.min_atol))
-        self.user_properties.append(("atol", r.tolerance.atol))
+            self.user_properties += [("min_atol", r.metrics.min_atol), ("min_row_rtol", r.metrics.min_row_rtol),
+                                     ("margin", r.metrics.margin)]
+        self.user_properties += [("atol", r.tolerance.atol), ("row_rtol", r.tolerance.row_rtol),
+                                 ("token_rtol", r.tolerance.token_rtol)]
         if not r.passed:
             if self.config.getoption("--parity-pdb") and r.role == "source" and not session.debugged:
                 session.debugged = True
@@ -281,6 +284,11 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
             inherited = sum(1 for r in s.results.values() if r.role == "inherited")
             if inherited:
                 terminalreporter.write_line(f"  {inherited} later failing tap(s) inherit from these sources")
+        from parity.report import describe_separation, separation
+
+        sep = describe_separation(separation([r.as_dict() for r in s.results.values()]))
+        if sep:
+            terminalreporter.write_line(f"separation: {sep}")
         for h in (h for h in s.hints if h["kind"] == "drift"):
             terminalreporter.write_line(f"hint ({h['kind']}): {h['evidence']} — {h['fix']}", yellow=True)
     elif s is not None and s.error is not None:

@@ -20,7 +20,33 @@ SCHEMA = "parity-report/1"
 
 def build(run: dict[str, Any], taps: list[dict[str, Any]], first: dict | None, hints: list[dict]) -> dict:
     return {"schema": SCHEMA, "run": run, "taps": taps, "first_divergence": first, "hints": hints,
-            "passed": all(t["passed"] for t in taps)}
+            "separation": separation(taps), "passed": all(t["passed"] for t in taps)}
+
+
+def separation(taps: list[dict[str, Any]]) -> dict[str, Any]:
+    """How far the verdicts sit from the tolerances: the passing tap closest to its tolerance (its
+    margin: how many times its error could grow before it failed) and the failing source furthest
+    below it (a margin under 1: the tolerance over the error)."""
+    passing = [t for t in taps if t["passed"] and t.get("margin") is not None]
+    sources = [t for t in taps if t.get("role") == "source" and t.get("margin") is not None]
+    worst = min(passing, key=lambda t: t["margin"], default=None)
+    fault = max(sources, key=lambda t: t["margin"], default=None)
+    return {"worst_passing": None if worst is None else {"tap": worst["name"], "margin": worst["margin"]},
+            "closest_source": None if fault is None else {"tap": fault["name"], "margin": fault["margin"]}}
+
+
+def describe_separation(sep: dict[str, Any] | None) -> str:
+    if not sep:
+        return ""
+    parts = []
+    if sep.get("worst_passing"):
+        w = sep["worst_passing"]
+        parts.append(f"the passing tap closest to its tolerance is {w['tap']}, at 1/{w['margin']:.3g} of it")
+    if sep.get("closest_source"):
+        f = sep["closest_source"]
+        parts.append(f"the failing source closest to passing is {f['tap']}, at {1 / max(f['margin'], 1e-300):.3g}x "
+                     f"its tolerance")
+    return "; ".join(parts)
 
 
 def write(run_dir: str | Path, report: dict, heatmap: dict | None = None) -> Path:
@@ -73,24 +99,30 @@ def markdown(report: dict) -> str:
     first = report["first_divergence"]
     lines.append(f"First divergence: **{first['name']}** (layer {first['layer']})" if first else
                  "No divergence.")
+    sep = describe_separation(report.get("separation"))
+    if sep:
+        lines += ["", f"Separation: {sep}."]
     for h in report["hints"]:
         lines += ["", f"- hint `{h['tap']}` ({h['kind']}): {h['evidence']} — {h['fix']}"]
-    lines += ["", "| tap | level | max_abs | isolated max_abs | cosine | sqnr dB | mismatch | atol | min passing atol "
-                  "| growth | result |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| tap | level | token rel | token_rtol | min row_rtol | row_rtol | max_abs | isolated max_abs | "
+                  "cosine | sqnr dB | mismatch | margin | growth | result |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for t in report["taps"]:
         m = t["metrics"] or {}
         mt = t.get("min_tolerance") or {}
         iso = (t.get("isolated") or {}).get("metrics") or {}
         result = "pass" if t["passed"] and t.get("role", "pass") == "pass" else t.get("role", "fail")
-        lines.append(f"| {t['name']} | {t['level']} | {_fmt(m.get('max_abs'))} | {_fmt(iso.get('max_abs'))} | "
-                     f"{_fmt(m.get('cosine'))} | {_fmt(m.get('sqnr_db'))} | {_fmt(m.get('mismatch_frac'))} | "
-                     f"{_fmt(t['tolerance']['atol'])} | {_fmt(mt.get('atol'))} | {_fmt(t.get('growth'))} | {result} |")
+        tol = t["tolerance"]
+        lines.append(f"| {t['name']} | {t['level']} | {_fmt(m.get('token_rel'))} | {_fmt(tol.get('token_rtol'))} | "
+                     f"{_fmt(mt.get('row_rtol'))} | {_fmt(tol.get('row_rtol'))} | {_fmt(m.get('max_abs'))} | "
+                     f"{_fmt(iso.get('max_abs'))} | {_fmt(m.get('cosine'))} | {_fmt(m.get('sqnr_db'))} | "
+                     f"{_fmt(m.get('mismatch_frac'))} | {_fmt(t.get('margin'))} | {_fmt(t.get('growth'))} | {result} |")
     return "\n".join(lines) + "\n"
 
 
 def _error_plot(taps: list[dict]) -> str:
-    """Inline SVG: max abs error of each layer's output against the layer index (log scale)."""
-    pts = [(t["layer"], t["metrics"]["max_abs"], t["passed"]) for t in taps
+    """Inline SVG: the token relative error of each layer's output against the layer index (log scale)."""
+    pts = [(t["layer"], t["metrics"].get("token_rel") or t["metrics"]["max_abs"], t["passed"]) for t in taps
            if t["name"].endswith(".output") and t["layer"] is not None and t["metrics"]]
     if not pts:
         return "<p>No layer outputs compared.</p>"
@@ -105,10 +137,10 @@ def _error_plot(taps: list[dict]) -> str:
     poly = " ".join(f"{x:.1f},{y:.1f}" for x, y in coords)
     dots = "".join(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="{"#2a7" if ok else "#d33"}"/>'
                    for (x, y), (_, _, ok) in zip(coords, pts))
-    return (f'<svg width="{w}" height="{h}" role="img" aria-label="max abs error per layer">'
+    return (f'<svg width="{w}" height="{h}" role="img" aria-label="token relative error per layer">'
             f'<polyline points="{poly}" fill="none" stroke="#555"/>{dots}'
             f'<text x="{pad}" y="{h - 8}">layer 0 … {n}</text>'
-            f'<text x="4" y="{pad - 12}">max |err| 1e{hi:.1f}</text><text x="4" y="{h - pad + 14}">1e{lo:.1f}</text></svg>')
+            f'<text x="4" y="{pad - 12}">token rel err 1e{hi:.1f}</text><text x="4" y="{h - pad + 14}">1e{lo:.1f}</text></svg>')
 
 
 def _heatmap_html(heatmap: dict | None) -> str:
@@ -136,13 +168,15 @@ def html_page(report: dict, heatmap: dict | None) -> str:
         cls = "ok" if t["passed"] else "bad"
         iso = (t.get("isolated") or {}).get("metrics") or {}
         rows.append("<tr class='{}'>{}</tr>".format(cls, "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in (
-            t["name"], t["level"], m.get("max_abs"), iso.get("max_abs"), m.get("max_rel"), m.get("mean_abs"), m.get("cosine"),
-            m.get("sqnr_db"), m.get("mismatch_frac"), t["tolerance"]["atol"], t["tolerance"]["rtol"],
-            mt.get("atol"), t.get("growth"), "pass" if t["passed"] else t.get("role", "fail")))))
+            t["name"], t["level"], m.get("token_rel"), t["tolerance"].get("token_rtol"), mt.get("row_rtol"),
+            t["tolerance"].get("row_rtol"), m.get("max_abs"), iso.get("max_abs"), m.get("max_rel"), m.get("mean_abs"),
+            m.get("cosine"), m.get("sqnr_db"), m.get("mismatch_frac"), t["tolerance"]["atol"], t["tolerance"]["rtol"],
+            mt.get("atol"), t.get("margin"), t.get("growth"), "pass" if t["passed"] else t.get("role", "fail")))))
     hints = "".join(f"<li><b>{html.escape(h['tap'])}</b> ({html.escape(h['kind'])}): {html.escape(h['evidence'])}"
                     f" — {html.escape(h['fix'])}</li>" for h in report["hints"])
-    head = ("tap", "level", "max abs", "isolated max abs", "max rel", "mean abs", "cosine", "SQNR dB", "mismatch", "atol", "rtol",
-            "min passing atol", "growth", "result")
+    head = ("tap", "level", "token rel", "token_rtol", "min passing row_rtol", "row_rtol", "max abs",
+            "isolated max abs", "max rel", "mean abs", "cosine", "SQNR dB", "mismatch", "atol", "rtol",
+            "min passing atol", "margin", "growth", "result")
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>parity {html.escape(run['id'])}</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;
 padding:2px 6px;font-size:13px}}tr.bad{{background:#fdd}}table.heat td{{width:5px;height:5px;padding:0;border:0}}</style>
@@ -151,6 +185,7 @@ padding:2px 6px;font-size:13px}}tr.bad{{background:#fdd}}table.heat td{{width:5p
 level {html.escape(str(run['level']))} · mode {html.escape(str(run['mode']))} ·
 <b>{'PASSED' if report['passed'] else 'FAILED'}</b></p>
 <p>First divergence: {html.escape(first['name']) if first else 'none'}</p>
+<p>Separation: {html.escape(describe_separation(report.get('separation')) or 'nothing compared')}</p>
 <ul>{hints}</ul><h2>Error against layer</h2>{_error_plot(report['taps'])}
 {_heatmap_html(heatmap)}
 <h2>Taps</h2><table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{''.join(rows)}</table></body></html>

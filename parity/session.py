@@ -6,6 +6,7 @@ Everything is computed lazily and once: the pytest items of a session share one 
 
 from __future__ import annotations
 
+import collections
 import fnmatch
 import functools
 import sys
@@ -143,41 +144,53 @@ class ParitySession:
 
     # -- the two sides --------------------------------------------------------------------------
 
-    def reference_dump(self, dtype: torch.dtype = torch.float32) -> DumpReader:
-        from parity import reference_side
+    def reference_dump(self, variant: str | None = None) -> DumpReader:
+        """The fp32 reference's dump; ``variant`` (calibration) is one of ``parity.calibrate.VARIANTS``:
+        the same model in another precision, attention implementation or summation order."""
+        import contextlib
+
+        from parity import calibrate, reference_side
         from references.model import build_reference_model
 
         t0 = time.perf_counter()
+        dtype = torch.float64 if variant == "fp64" else torch.float32
         # Decoded fp32 weights of a large model would dominate memory: decode them per forward instead.
         decoded = 4 * sum(n * k for n, k in self.ckpt.linear_shapes().values())
-        model = build_reference_model(self.ckpt, dtype=dtype, cache=decoded <= CACHE_DECODED_BYTES)
-        name = "reference" if dtype == torch.float32 else f"reference-{str(dtype).removeprefix('torch.')}"
-        dump = reference_side.capture(model, self.prompts, self.dump_root() / name,
-                                      {**self.meta("reference"), "dtype": str(dtype).removeprefix("torch.")},
-                                      wanted=self.wanted)
-        if dtype == torch.float32:
+        model = build_reference_model(self.ckpt, dtype=dtype, cache=decoded <= CACHE_DECODED_BYTES,
+                                      attn_implementation="sdpa" if variant == "sdpa" else "eager")
+        name = "reference" if variant is None else f"reference-{variant}"
+        order = calibrate.reversed_summation() if variant == "reversed" else contextlib.nullcontext()
+        with order:
+            dump = reference_side.capture(model, self.prompts, self.dump_root() / name,
+                                          {**self.meta("reference"), "dtype": str(dtype).removeprefix("torch."),
+                                           **({"variant": variant} if variant else {})},
+                                          wanted=self.wanted)
+        if variant is None:
             self._reference_model = model
             if self.opts.level == "model":
                 self._reference_tokens = self.reference_greedy()
         self._reference_model = None  # the dump holds what later checks read: free the weights
         del model
-        self.timings[f"{name}_s"] = time.perf_counter() - t0
+        self.timings[f"{name.replace('-', '_')}_s"] = time.perf_counter() - t0
         return dump
 
     def calibrate(self) -> None:
-        """Measure every tap's noise floor and make the result this run's tolerance table."""
+        """Measure every tap's spread between correct implementations and make the tolerances from it
+        this run's table."""
         from parity import calibrate
 
         t0 = time.perf_counter()
-        ref64 = self.reference_dump(torch.float64)
+        variants = {name: self.reference_dump(variant=name) for name in calibrate.VARIANTS}
         again = self.candidate_dump(repeat=True)
-        table, notes = calibrate.calibrate(self.ckpt, self.capture_taps(), self.reference, ref64, self.candidate,
+        table, notes = calibrate.calibrate(self.ckpt, self.capture_taps(), self.reference, variants, self.candidate,
                                            again, headroom=self.opts.headroom,
                                            max_growth=self.opts.tolerances.max_growth)
         calibrate.write(table, notes, self.opts.calibrate, self.opts.headroom)
         self.opts.tolerances = table
+        widest = dict(collections.Counter(n["widest"] for n in notes.values()))
         self.extras["calibration"] = {"passed": True, "file": str(self.opts.calibrate),
-                                      "capped": sorted(t for t, n in notes.items() if n["capped"])}
+                                      "capped": sorted(t for t, n in notes.items() if n["capped"]),
+                                      "widest_spread": widest}
         self.timings["calibrate_s"] = time.perf_counter() - t0
 
     def llm(self):
@@ -259,7 +272,8 @@ class ParitySession:
 
     def diagnose(self) -> list[dict]:
         """Hints for every source of a divergence, and for drift across the layers' outputs."""
-        from parity.diagnosis import LinearContext, diagnose_depth, diagnose_tap
+        from parity.diagnosis import (DRIFT_MIN_GROWTH, DRIFT_MIN_GROWTH_RELATIVE, LinearContext, diagnose_depth,
+                                      diagnose_tap)
         from parity.taps import FUSED_WITH, PROJECTION_OF
         from references.linear import ReferenceLinear, read_stored
 
@@ -291,11 +305,17 @@ class ParitySession:
                 self.extras.setdefault("diagnosis_errors", {"passed": True, "errors": []})["errors"].append(
                     f"{r.name}: {exc}")
             hints += [h.as_dict() for h in found]
-        outputs = [(r.name, r.metrics.max_abs) for r in self.results.values()
-                   if r.name.endswith(".output") and r.metrics is not None]
+        outputs = [r for r in self.results.values() if r.name.endswith(".output") and r.metrics is not None]
         if outputs:
-            atol = self.results[outputs[-1][0]].tolerance.atol
-            hints += [h.as_dict() for h in diagnose_depth(outputs, atol)]
+            tol = outputs[-1].tolerance
+            if tol.elementwise_only:
+                errors, bound = [(r.name, r.metrics.max_abs) for r in outputs], (tol.atol, "max_abs", "atol")
+                growth = DRIFT_MIN_GROWTH
+            else:
+                errors = [(r.name, r.metrics.token_rel) for r in outputs]
+                bound = (tol.token_rtol, "token relative error", "token_rtol")
+                growth = DRIFT_MIN_GROWTH_RELATIVE
+            hints += [h.as_dict() for h in diagnose_depth(errors, *bound, min_growth=growth)]
         return hints
 
     def _stacked(self, dump: DumpReader, tap: str) -> torch.Tensor:

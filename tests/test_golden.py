@@ -192,7 +192,8 @@ def test_trend_append_and_load(tmp_path):
     rows = trend.load(f)
     assert [r["run"] for r in rows] == ["run0", "run1"] and rows[0] == row
     assert rows[0]["model_sha256"] == MODEL and rows[0]["date"] == "2026-11-01T03:17:00+0000"
-    assert rows[0]["taps"]["logits"] == {"min_atol": 3e-5, "atol": 1e-4, "passed": False}
+    # an elementwise-only tolerance (no token_rtol): its minimum passing atol is what trends
+    assert rows[0]["taps"]["logits"] == {"measure": "min_atol", "value": 3e-5, "bound": 1e-4, "passed": False}
     assert len(f.read_text().splitlines()) == 2
 
 
@@ -260,8 +261,8 @@ def test_trend_table(tmp_path):
     trend.append(f, _report(2, {"embed": 0.0, "logits": 3e-4}, passed={"logits": False}))
     text = trend.table(trend.load(f))
     lines = text.splitlines()
-    assert lines[0].split()[:3] == ["tap", "11-01", "03:17"] and lines[0].split()[-1] == "atol"
+    assert lines[0].split()[:3] == ["tap", "11-01", "03:17"] and lines[0].split()[-1] == "bound"
     logits = next(line for line in lines if line.startswith("logits"))
-    assert logits.split() == ["logits", "1.00e-05", "2.00e-05", "3.00e-04!", "0.0001"]
+    assert logits.split() == ["logits", "1.00e-05", "2.00e-05", "3.00e-04!", "atol=0.0001"]
     assert [line.split()[0] for line in lines[2:]] == ["embed", "logits"]
     assert "embed" not in trend.table(trend.load(f), tap="log*")

@@ -409,9 +409,13 @@ def test_random_ternary_variant_matches_reference(tmp_path, prompts, variant):
 def test_tensor_parallel_2_matches_tp1(runs, checkpoints, prompts, name):
     tp1 = runs("vllm", name)
     tp2 = engine_run(checkpoints(name), prompts, tensor_parallel_size=2)
-    for p, (x, y) in enumerate(zip(tp1.tokens, tp2.tokens)):
-        assert x == y, f"{name}: prompt {p}: TP=2 generated {y}, TP=1 {x}"
     check_logprobs_close(tp1, tp2, tolerance(runs("ref", name)), "tp1", "tp2")
+    if PRESETS[name].activation_quant is None:
+        # With int8 activations a rank's other summation order can flip one rounding, and so a near-tie of
+        # two tokens (hf-bitnet: 0.018 nats apart where the reference's own fp32-vs-fp64 noise is 0.06);
+        # check_logprobs_close lets the sequences part there, as vLLM's own TP tests do.
+        for p, (x, y) in enumerate(zip(tp1.tokens, tp2.tokens)):
+            assert x == y, f"{name}: prompt {p}: TP=2 generated {y}, TP=1 {x}"
 
 
 @pytest.mark.vllm

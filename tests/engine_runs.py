@@ -1,0 +1,89 @@
+"""Running the harness as a user does: pytest in a subprocess (pytester), and the vLLM plugin variant
+that plants faults."""
+
+import json
+import sys
+
+
+def run(pytester, *args, stdin=None):
+    # option=value: pytest picks its rootdir before plugin options are known, and would take a
+    # separate value for a path to collect
+    result = pytester.run(sys.executable, "-m", "pytest", f"--basetemp={pytester.path / 'tmp'}",
+                          "-p", "no:cacheprovider", "-rs", f"--parity-report={pytester.path / 'report'}",
+                          f"--parity-snapshot-dir={pytester.path / 'snap'}", *args, timeout=600,
+                          **({"stdin": stdin} if stdin is not None else {}))
+    return result
+
+
+def report(pytester):
+    return json.loads((pytester.path / "report" / "report.json").read_text())
+
+
+ZOO_PLUGIN = '''
+"""A test-only variant of the vLLM plugin: several layers, each with its own planted fault."""
+import dataclasses, os
+
+import torch
+
+
+def pytest_configure(config):
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from kernels import vllm_plugin
+    from kernels.vllm_config import TernaryConfig
+    from kernels.vllm_methods import TernaryLinearMethod
+
+    faults = dict(item.split("=") for item in os.environ["PARITY_TEST_FAULTS"].split(","))
+    CHANNEL = 100
+    vllm_plugin.register()
+
+    class AfterLoad(TernaryLinearMethod):
+        def __init__(self, spec, modules, change):
+            super().__init__(spec, modules)
+            self.change = change
+
+        def process_weights_after_loading(self, layer):
+            super().process_weights_after_loading(layer)
+            self.change(layer)
+
+    kv = int(os.environ.get("PARITY_TEST_KV", "64"))
+
+    class SwappedSlices(TernaryLinearMethod):  # k and v columns of the fused output exchanged
+        def apply(self, layer, x, bias=None):
+            y = super().apply(layer, x, bias)
+            q, k, v = y.split([layer.parity_n - 2 * kv, kv, kv], dim=-1)
+            return torch.cat([q, v, k], dim=-1)
+
+    def regroup(layer):  # the kernel indexes scales with twice the group size
+        s = layer.parity_scale
+        s.copy_(s[:, torch.arange(s.shape[1]) // 2])
+
+    def bf16(layer):
+        layer.parity_scale.copy_(layer.parity_scale.to(torch.bfloat16).to(torch.float32))
+
+    class ZooConfig(TernaryConfig):
+        def make_method(self, modules):
+            kind = next((faults[m] for m in modules if m in faults), None)
+            spec = self.spec
+            if kind == "code_table":
+                return TernaryLinearMethod(dataclasses.replace(spec, code_map=(0, -1, 1, None)), modules)
+            if kind == "bit_order":
+                return TernaryLinearMethod(dataclasses.replace(spec, bit_order="msb"), modules)
+            if kind == "pack_layout":
+                return TernaryLinearMethod(dataclasses.replace(spec, pack_layout="blocked"), modules)
+            if kind == "scale_inverted":
+                return TernaryLinearMethod(dataclasses.replace(spec, scale_mode="divide"), modules)
+            if kind == "scale_missing":
+                return AfterLoad(spec, modules, lambda layer: layer.parity_scale.fill_(1.0))
+            if kind == "scale_dtype":
+                return AfterLoad(spec, modules, bf16)
+            if kind == "group_size":
+                return AfterLoad(spec, modules, regroup)
+            if kind == "channel_scale":  # one output channel's scale off by 1 %
+                return AfterLoad(spec, modules, lambda layer: layer.parity_scale[CHANNEL].mul_(1.01))
+            if kind == "slices_swapped":
+                return SwappedSlices(spec, modules)
+            return super().make_method(modules)
+
+    register_quantization_config("ternary")(ZooConfig)
+'''
