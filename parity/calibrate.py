@@ -24,13 +24,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from parity.compare import stacked
 from parity.dumps import DumpReader
-from parity.metrics import row_scale, rows_of, spread
+from parity.metrics import row_scale, spread
 from parity.taps import PROJECTION_OF
 from parity.tolerances import ToleranceTable
 from references.checkpoint import Checkpoint
 from references.formats import Int8xSpec, TernarySpec
 from references.int8x import scale_of
+
+def _rows(dump: DumpReader, tap: str) -> torch.Tensor:
+    return stacked(dump, tap)[0]
+
 
 FLOOR = 1e-6  # no tolerance tighter than this (about 16 fp32 roundings): exact taps stay judgeable
 VARIANTS = {
@@ -56,10 +61,6 @@ def reversed_summation():
         F.linear = plain
 
 
-def _stack(dump: DumpReader, tap: str) -> torch.Tensor:
-    return torch.cat([rows_of(dump.get(tap, p)) for p in dump.prompts(tap)])
-
-
 def format_cap(ckpt: Checkpoint, reference: DumpReader, tap: str) -> tuple[float, float] | None:
     """(token_rtol, row_rtol) at half the output change of one code off by one, for the projection
     behind an op tap."""
@@ -79,9 +80,9 @@ def format_cap(ckpt: Checkpoint, reference: DumpReader, tap: str) -> tuple[float
                             dtype=torch.float64)
     else:
         return None
-    x = _stack(reference, f"layers.{parts[1]}.{input_tap}").double().abs()
+    x = _rows(reference, f"layers.{parts[1]}.{input_tap}").double().abs()
     move = float(torch.quantile(step.flatten(), 0.1)) * float(x.median())  # one code off by one
-    y = _stack(reference, tap).double()
+    y = _rows(reference, tap).double()
     s = row_scale(y)
     per_element = float((y.abs() + s).median())
     per_token = float(s.median()) * math.sqrt(y.shape[1])
@@ -94,9 +95,9 @@ def calibrate(ckpt: Checkpoint, taps: list[str], ref32: DumpReader, variants: di
     """A tolerance table with one exact rule per tap, and the measurements behind it."""
     rules, notes = [], {}
     for tap in taps:
-        ref = _stack(ref32, tap)
-        measured = {name: spread(ref, _stack(dump, tap)) for name, dump in variants.items()}
-        measured["candidate_vs_itself"] = spread(_stack(cand_a, tap), _stack(cand_b, tap))
+        ref = _rows(ref32, tap)
+        measured = {name: spread(ref, _rows(dump, tap)) for name, dump in variants.items()}
+        measured["candidate_vs_itself"] = spread(_rows(cand_a, tap), _rows(cand_b, tap))
         token = max(FLOOR, *(t for t, _ in measured.values()))
         element = max(FLOOR, *(e for _, e in measured.values()))
         token_rtol, row_rtol = headroom * token, headroom * element

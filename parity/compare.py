@@ -50,10 +50,10 @@ class TapResult:
         }
 
 
-def _stacked(dump: DumpReader, tap: str, prompts: list[int]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+def stacked(dump: DumpReader, tap: str, prompts: list[int] | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """All prompts' rows of one tap, concatenated along positions, and (prompt, position) per row."""
     parts, rows = [], []
-    for p in prompts:
+    for p in dump.prompts(tap) if prompts is None else prompts:
         t = dump.get(tap, p)
         parts.append(t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(-1, 1))
         rows += [(p, i) for i in range(t.shape[0])]
@@ -71,8 +71,8 @@ def compare_tap(ref: DumpReader, cand: DumpReader, tap: str, table: ToleranceTab
     if not prompts or missing:
         why = "absent from the reference" if not prompts else f"prompts {missing} missing in the candidate"
         return TapResult(tap, level, layer, [], None, tol, False, message=f"{tap}: {why}")
-    r, rows = _stacked(ref, tap, prompts)
-    c, _ = _stacked(cand, tap, prompts)
+    r, rows = stacked(ref, tap, prompts)
+    c, _ = stacked(cand, tap, prompts)
     try:
         m = compare(r, c, tol)
     except ShapeMismatch as exc:
