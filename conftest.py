@@ -10,6 +10,10 @@ from hypothesis import HealthCheck, settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytester drops the modules a test imported when the test ends; transformers' generation code (which
+# reading a checkpoint's shapes imports) registers torch operators, which cannot happen twice in a process.
+import transformers.generation.utils  # noqa: E402, F401
+
 settings.register_profile("dev", max_examples=25, deadline=None)
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -24,8 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from references import int8x, ternary  # noqa: E402
-from references.formats import PRESETS, Int8xSpec  # noqa: E402
+from vllm_parity.reference.formats import int8x, ternary  # noqa: E402
+from vllm_parity.reference.formats.int8x import Int8xSpec  # noqa: E402
+from vllm_parity.reference.formats.ternary import PRESETS  # noqa: E402
 
 
 def laplacian_int8(n: int, k: int, seed: int = 0) -> torch.Tensor:

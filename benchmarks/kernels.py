@@ -6,7 +6,7 @@ and the standalone INT8-X decode use ``triton.testing.do_bench`` (median, L2 flu
 Each row carries its baseline, torch fp16 ``F.linear`` on the same (K, N, M), measured in the same
 run, and the fraction of the device-to-device copy bandwidth measured at the start of the run.
 
-    PYTHONPATH=. python3 benchmarks/kernels.py [--out PATH] [--quick] [--sweep]
+    python3 benchmarks/kernels.py [--out PATH] [--quick] [--sweep]     (with the project installed)
 """
 
 from __future__ import annotations
@@ -21,21 +21,16 @@ import sys
 import time
 from pathlib import Path
 
-# This file is named kernels.py: run as a script, its folder would shadow the `kernels` package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from references.formats import PRESETS, TernarySpec  # noqa: E402
-from references.ternary import pack_values  # noqa: E402
-from kernels import ternary_ops, ternary_triton  # noqa: E402
-from kernels.ternary_repack import repack  # noqa: E402
+from vllm_parity.reference.formats.ternary import PRESETS, TernarySpec  # noqa: E402
+from vllm_parity.reference.formats.ternary import pack_values  # noqa: E402
+from vllm_parity.serving import ternary_ops, ternary_triton  # noqa: E402
+from vllm_parity.serving.ternary_repack import repack  # noqa: E402
 
 SHAPES = [(2048, 2048), (2048, 5632), (5632, 2048), (4096, 4096), (4096, 14336), (14336, 4096)]  # (K, N)
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
@@ -166,7 +161,7 @@ def _kernel_fn(kernel: str, x: torch.Tensor, next_native):
 
 def floor_rows() -> list[dict]:
     """Per-call time of near-empty work in the same graph harness: what every kernel pays at least."""
-    from kernels import ternary_cuda
+    from vllm_parity.serving import ternary_cuda
 
     rows = []
     small = torch.empty(16, device="cuda")
@@ -239,7 +234,7 @@ def time_candidates(kernel: str, k: int, n: int, m: int, cands: list, calls: int
 def mma_candidates(m: int, n: int, k: int) -> list[dict]:
     """Configurations of the tensor-core kernel worth timing at one shape, with and without the
     programmatic dependent launch."""
-    from kernels import ternary_cuda
+    from vllm_parity.serving import ternary_cuda
 
     mbs = (1, 2) if 8 < m <= 16 else (ternary_cuda.mma_config(m, n, k)["mb"],)
     cands = []
@@ -253,7 +248,7 @@ def mma_candidates(m: int, n: int, k: int) -> list[dict]:
 def sweep_mma(copy_gbps: float) -> list[dict]:
     """Blocks, pipelines and launch modes of the tensor-core kernel at the target shapes and three
     smaller ones (small M)."""
-    from kernels import ternary_cuda
+    from vllm_parity.serving import ternary_cuda
 
     out = []
     for (k, n), ms in [((4096, 14336), (1, 4, 8, 16)), ((14336, 4096), (1, 4, 8, 16)),
@@ -314,8 +309,8 @@ def sweep(copy_gbps: float) -> list[dict]:
 
 def int8x_rows(copy_gbps: float) -> list[dict]:
     """INT8-X standalone decode and fused decode-GEMV (M=1, K=4096, N=14336) against torch bf16 F.linear."""
-    from references.int8x import encode
-    from kernels import int8x_native, int8x_ops
+    from vllm_parity.reference.formats.int8x import encode
+    from vllm_parity.serving import int8x_native, int8x_ops
 
     k, n = 4096, 14336
     q = (torch.randn(n, k, generator=torch.Generator().manual_seed(3)) * 2.5).round().clamp(-127, 127)
@@ -326,7 +321,7 @@ def int8x_rows(copy_gbps: float) -> list[dict]:
     copies, next_wb = rotating(lambda: wb.clone(), wb.numel() * 2, cap=4)
     backends = ["triton"]
     try:
-        from kernels import int8x_cuda
+        from vllm_parity.serving import int8x_cuda
 
         if int8x_cuda.available():
             backends.append("cuda")
@@ -367,7 +362,7 @@ def int8x_native_rows(q: torch.Tensor, tensors: dict, stream_bytes: int, copy_gb
                       n_wb: int) -> list[dict]:
     """The GEMV on the native layout (4-bit codes + outliers, repacked at load), its copies rotated over
     256 MiB; at M = 1 the best of a few block sizes is reported too (``config``)."""
-    from kernels import int8x_native, int8x_native_triton
+    from vllm_parity.serving import int8x_native, int8x_native_triton
 
     n, k = q.shape
     base = int8x_native.pack(q, tensors["weight_scale"].cpu()).to("cuda")
@@ -429,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{header['device']}: copy bandwidth {copy_gbps:.0f} GB/s (read + write)", flush=True)
     kernels = ["ternary", "triton_mm", "triton_gemv"]
     if not args.no_cuda:
-        from kernels import ternary_cuda
+        from vllm_parity.serving import ternary_cuda
 
         if ternary_cuda.available():
             t = time.time()

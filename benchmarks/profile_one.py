@@ -2,25 +2,19 @@
 
     ncu --clock-control none -k regex:mma_kernel -c 1 python3 benchmarks/profile_one.py cuda_mma 4096 14336 1
 
-A fifth argument, a JSON object, sets the tensor-core kernel's configuration (``kernels.ternary_cuda.mma_config``).
+A fifth argument, a JSON object, sets the tensor-core kernel's configuration (``vllm_parity.serving.ternary_cuda.mma_config``).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import torch
 
-import torch  # noqa: E402
-
-from references.formats import PRESETS  # noqa: E402
-from references.ternary import pack_values  # noqa: E402
-from kernels import ternary_cuda, ternary_ops  # noqa: E402
-from kernels.ternary_repack import repack  # noqa: E402
+from vllm_parity.reference.formats.ternary import PRESETS, pack_values
+from vllm_parity.serving import ternary_cuda, ternary_ops
+from vllm_parity.serving.ternary_repack import repack
 
 
 def main(argv: list[str]) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fixtures import real_model  # noqa: E402
+from vllm_parity.fixtures import real_model  # noqa: E402
 from tests.engine_runs import ZOO_PLUGIN  # noqa: E402
 from tests.test_real_model import REAL_ZOO  # noqa: E402
 
@@ -79,8 +79,8 @@ def faults(rep: dict) -> list[dict]:
 
 def int8x_mix() -> dict:
     """The INT8-X level mix and stored bits per weight of the real model's projections, all together."""
-    from references import int8x
-    from references.checkpoint import Checkpoint
+    from vllm_parity.reference.formats import int8x
+    from vllm_parity.reference.checkpoint import Checkpoint
 
     ckpt = Checkpoint(real_model.model_dir("int8x"))
     counts, bits = {"n1": 0, "n2": 0, "n3": 0}, 0.0

@@ -21,7 +21,7 @@ DIMS = dict(hidden=2048, layers=24, heads=16, kv_heads=8, intermediate=5632, voc
 
 CHILD = r"""
 import json, resource, sys, time, torch
-from references.model import build_reference_model
+from vllm_parity.reference.model import build_reference_model
 t0 = time.perf_counter()
 model = build_reference_model(sys.argv[1], cache=sys.argv[2] == "1")
 t1 = time.perf_counter()
@@ -41,8 +41,8 @@ def main() -> None:
 
     import torch
 
-    from fixtures.checkpoints import Dims, make_fixture
-    from fixtures.default_model import cache_root
+    from vllm_parity.fixtures.checkpoints import Dims, make_fixture
+    from vllm_parity.fixtures.default_model import cache_root
 
     ckpt = cache_root() / "bench-1.2b-seed-article"
     t0 = time.perf_counter()

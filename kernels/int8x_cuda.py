@@ -1,11 +1,11 @@
 """CUDA kernels for ``int8x`` weights (``csrc/int8x.cu``): decode and fused decode-GEMV.
 
-Same calls and semantics as :mod:`kernels.int8x_triton` (``decode``, ``linear``, with ``out=``), on CUDA
+Same calls and semantics as :mod:`vllm_parity.serving.int8x_triton` (``decode``, ``linear``, with ``out=``), on CUDA
 tensors only. The extension is built with ``torch.utils.cpp_extension.load`` on first use, never at import,
 so importing this module works on machines without nvcc or a GPU.
 
 The kernels take the FORMATS.md tensors unvalidated (validate them once at load time with
-``references.int8x.decode_int8``) plus the shape and block size as Python ints; they read no tensor value on
+``vllm_parity.serving.int8x_load.decode_streams``) plus the shape and block size as Python ints; they read no tensor value on
 the host and run on the current stream, so they can be captured in CUDA graphs.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cuda_build import LazyExtension, available  # noqa: F401  (available: re-exported)
-from kernels.int8x_triton import linear_out
+from vllm_parity.serving.cuda_build import LazyExtension, available  # noqa: F401  (available: re-exported)
+from vllm_parity.serving.int8x_triton import linear_out
 
 __all__ = ["available", "extension", "decode", "linear"]
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import int8x_ops
+from vllm_parity.serving import int8x_ops
 
 BACKENDS = ("torch", "triton", "auto")
 ENV_LAYOUT = "PARITY_INT8X_LAYOUT"
@@ -138,11 +138,11 @@ def int8x_native_linear(x: torch.Tensor, codes: torch.Tensor, row_ptr: torch.Ten
     x2 = x.reshape(-1, n_cols)
     native = Int8xNative(codes, row_ptr, outliers, scale, n_rows, n_cols)
     if backend == "triton" and x2.shape[0] <= GEMV_MAX_M:
-        from kernels import int8x_native_triton
+        from vllm_parity.serving import int8x_native_triton
 
         y = int8x_native_triton.linear(x2, native)
     elif backend == "triton":  # many rows of x: decode once, then the dense GEMM
-        from kernels import int8x_native_triton
+        from vllm_parity.serving import int8x_native_triton
 
         y = torch.nn.functional.linear(x2, int8x_native_triton.decode(native, x.dtype))
     else:

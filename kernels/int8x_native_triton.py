@@ -1,4 +1,4 @@
-"""Triton GEMV ``y = x @ W^T`` on the native int8x layout (:mod:`kernels.int8x_native`).
+"""Triton GEMV ``y = x @ W^T`` on the native int8x layout (:mod:`vllm_parity.serving.int8x_native`).
 
 A program owns ``BN`` rows of W and ``BM`` rows of x. It streams a ``(BN, BKW)`` tile of code words per
 step and decodes it in registers: code ``i`` of a word is ``(w << (28 - 4 i)) >> 28`` (an arithmetic shift
@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int8x_native import CODES_PER_WORD, Int8xNative
-from kernels.int8x_triton import check_device, interpreted, linear_out
+from vllm_parity.serving.int8x_native import CODES_PER_WORD, Int8xNative
+from vllm_parity.serving.int8x_triton import check_device, interpreted, linear_out
 
 _INT32_MAX = tl.constexpr(2147483647)
 

@@ -14,7 +14,7 @@ also accept ``"auto"`` and resolve it from their tensors' device.
 
 The shape comes in as Python ints and the scale stays a tensor, so no backend reads tensor values on the host
 or branches on them: all are safe under torch.compile and CUDA graphs. Validate the tensors once
-at load time (``references.int8x.decode_int8``); the ops trust them.
+at load time (``vllm_parity.serving.int8x_load.decode_streams``); the ops trust them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from references.formats import Int8xSpec
+from vllm_parity.reference.formats.int8x import Int8xSpec
 
 BACKENDS = ("torch", "triton", "cuda", "auto")
 ENV_BACKEND = "PARITY_KERNEL_BACKEND"
@@ -38,7 +38,7 @@ _MASK32 = 0xFFFFFFFF
 def _auto(device: torch.device) -> str:
     if device.type != "cuda":
         return "torch"
-    from kernels import int8x_cuda
+    from vllm_parity.serving import int8x_cuda
 
     return "cuda" if int8x_cuda.available() else "triton"
 
@@ -112,11 +112,11 @@ def int8x_decode(b1: torch.Tensor, b2: torch.Tensor, l1: torch.Tensor, l2: torch
                  block_size: int, dtype: torch.dtype, backend: str) -> torch.Tensor:
     backend = _op_backend(backend, b1.device)
     if backend == "triton":
-        from kernels import int8x_triton
+        from vllm_parity.serving import int8x_triton
 
         return int8x_triton.decode(b1, b2, l1, l2, l3, b1_blk, b2_blk, scale, n_rows, n_cols, block_size, dtype)
     if backend == "cuda":
-        from kernels import int8x_cuda
+        from vllm_parity.serving import int8x_cuda
 
         return int8x_cuda.decode(b1, b2, l1, l2, l3, b1_blk, b2_blk, scale, n_rows, n_cols, block_size, dtype)
     q = _torch_decode_q(b1, b2, l1, l2, l3, b1_blk, b2_blk, n_rows * n_cols, block_size)
@@ -137,11 +137,11 @@ def int8x_linear(x: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, l1: torch.
         raise ValueError(f"int8x_linear: x has {x.shape[-1]} input features, the weight ({n_rows}, {n_cols})")
     x2 = x.reshape(-1, n_cols)
     if backend == "triton":
-        from kernels import int8x_triton
+        from vllm_parity.serving import int8x_triton
 
         y = int8x_triton.linear(x2, b1, b2, l1, l2, l3, b1_blk, b2_blk, scale, n_rows, n_cols, block_size)
     elif backend == "cuda":
-        from kernels import int8x_cuda
+        from vllm_parity.serving import int8x_cuda
 
         y = int8x_cuda.linear(x2, b1, b2, l1, l2, l3, b1_blk, b2_blk, scale, n_rows, n_cols, block_size)
     else:
@@ -186,3 +186,28 @@ def linear(x: torch.Tensor, tensors: dict[str, torch.Tensor], shape: tuple[int, 
     y = torch.ops.vllm_parity.int8x_linear(x, *args, n_rows, n_cols, spec.block_size,
                                            resolve_backend(backend, x.device))
     return y if bias is None else y + bias
+
+
+class KernelLinear(torch.nn.Module):
+    """An int8x projection on the kernels, in the layout vLLM would serve: the native one where it fits
+    (``PARITY_INT8X_LAYOUT``), else the streams; validated once by the serving side's own decoder."""
+
+    def __init__(self, spec: Int8xSpec, stored: dict[str, torch.Tensor], n: int, k: int, name: str = "weight",
+                 backend: str | None = None):
+        super().__init__()
+        from vllm_parity.serving import int8x_native
+        from vllm_parity.serving.int8x_load import decode_streams
+
+        self.spec, self.name, self.backend, self.in_features, self.out_features = spec, name, backend, k, n
+        self.tensors = dict(stored)
+        self.native = int8x_native.for_serving(decode_streams(self.tensors, spec.block_size, name=name), self.tensors)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            from vllm_parity.serving import int8x_native
+
+            if self.native.codes.device != x.device:
+                self.native = self.native.to(x.device)
+            return int8x_native.linear(x, self.native, backend=int8x_native.backend_for(x.device, self.backend))
+        return linear(x, self.tensors, shape=(self.out_features, self.in_features), spec=self.spec,
+                      backend=self.backend)

@@ -131,7 +131,7 @@ def check_device(*tensors: torch.Tensor) -> None:
             raise ValueError(f"int8x triton: tensors on {device} and {t.device}")
     if device.type == "cpu" and not interpreted():
         raise RuntimeError("int8x triton: CPU tensors need the Triton interpreter; set TRITON_INTERPRET=1 "
-                           "before kernels.int8x_triton is imported, or use the torch backend")
+                           "before vllm_parity.serving.int8x_triton is imported, or use the torch backend")
 
 
 def linear_out(x: torch.Tensor, n_rows: int, n_cols: int, out: torch.Tensor | None, who: str) -> torch.Tensor:
@@ -162,7 +162,7 @@ def decode(b1: torch.Tensor, b2: torch.Tensor, l1: torch.Tensor, l2: torch.Tenso
     """The weight ``q * scale`` of shape ``(n_rows, n_cols)`` in ``dtype`` (or written into ``out``).
 
     One program per block of ``block_size`` flattened elements. Inputs are the FORMATS.md tensors, unvalidated:
-    validate them once at load time with ``references.int8x.decode_int8``.
+    validate them once at load time with ``vllm_parity.serving.int8x_load.decode_streams``.
     """
     n = n_rows * n_cols
     if out is None:

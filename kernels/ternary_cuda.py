@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from kernels.cuda_build import LazyExtension, available  # noqa: F401  (available: re-exported)
+from vllm_parity.serving.cuda_build import LazyExtension, available  # noqa: F401  (available: re-exported)
 
 extension = LazyExtension("vllm_parity_ternary", "ternary.cu", "ternary CUDA kernels")
 ENV_PDL = "PARITY_MMA_PDL"  # "0": launch the tensor-core kernel without programmatic dependent launch

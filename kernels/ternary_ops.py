@@ -21,7 +21,8 @@ import os
 
 import torch
 
-from kernels.ternary_repack import NativeTernary, native_weight, repack, unpack_native  # noqa: F401
+from vllm_parity.reference.formats.ternary import TernarySpec
+from vllm_parity.serving.ternary_repack import NativeTernary, native_weight, repack, unpack_native  # noqa: F401
 
 BACKENDS = ("torch", "triton", "cuda", "auto")
 KERNELS = ("torch", "triton_gemv", "triton_mm", "cuda_naive", "cuda_vec", "cuda_mma", "cuda_dequant")
@@ -62,21 +63,21 @@ def ternary_linear_op(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     if kernel == "torch":
         return _torch_impl(x, qweight, scale, bias, k, group_size, act_quant)
     if kernel in ("triton_gemv", "triton_mm"):
-        from kernels import ternary_triton
+        from vllm_parity.serving import ternary_triton
 
         return ternary_triton.ternary_linear(x, qweight, scale, bias, k, group_size, act_quant, kernel[7:])
     if kernel in ("cuda_naive", "cuda_vec"):
-        from kernels import ternary_cuda
+        from vllm_parity.serving import ternary_cuda
 
         return ternary_cuda.ternary_linear(x, qweight, scale, bias, k, group_size, act_quant, kernel[5:])
     if kernel == "cuda_mma":
-        from kernels import ternary_cuda
+        from vllm_parity.serving import ternary_cuda
 
         if tiles is None:
             raise ValueError("ternary kernel 'cuda_mma' needs the tiled weight (NativeTernary.with_tiles())")
         return ternary_cuda.linear_mma(x, tiles, scale, bias, qweight.shape[0], k, group_size, act_quant)
     if kernel == "cuda_dequant":
-        from kernels import ternary_cuda
+        from vllm_parity.serving import ternary_cuda
 
         return ternary_cuda.linear_dequant(x, qweight, scale, bias, k, group_size, act_quant)
     raise ValueError(f"unknown ternary kernel {kernel!r}; expected one of {KERNELS}")
@@ -114,7 +115,7 @@ def select_kernel(backend: str, m: int, dtype: torch.dtype | None = None, group_
         return "torch"
     if backend == "triton":
         return "triton_gemv" if m <= TRITON_GEMV_MAX_M else "triton_mm"
-    from kernels import ternary_cuda
+    from vllm_parity.serving import ternary_cuda
 
     cuda = backend == "cuda" or ternary_cuda.available()
     half = dtype in (torch.float16, torch.bfloat16)
@@ -138,3 +139,18 @@ def ternary_linear(x: torch.Tensor, native: NativeTernary, bias: torch.Tensor | 
     y = torch.ops.vllm_parity.ternary_linear(x2, native.qweight, native.scale, bias, native.k,
                                              native.group_size, native.act_quant, kernel, native.tiles)
     return y.reshape(*x.shape[:-1], native.n)
+
+
+class KernelLinear(torch.nn.Module):
+    """A ternary projection on the kernels: its checkpoint tensors repacked once (and tiled on CUDA)."""
+
+    def __init__(self, spec: TernarySpec, stored: dict[str, torch.Tensor], n: int, k: int, name: str = "weight",
+                 backend: str | None = None):
+        super().__init__()
+        self.name, self.backend, self.in_features, self.out_features = name, backend, k, n
+        self.native = repack(stored["packed"], stored["scale"], spec, n, k, name)
+        if self.native.device.type == "cuda":
+            self.native = self.native.with_tiles()  # for the tensor-core kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ternary_linear(x, self.native, backend=self.backend)

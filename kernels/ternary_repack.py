@@ -28,9 +28,8 @@ from functools import lru_cache
 
 import torch
 
-from references.errors import DecodeError, FormatError
-from references.formats import TernarySpec
-from references.ternary import unpack_values
+from vllm_parity.errors import DecodeError, FormatError
+from vllm_parity.reference.formats.ternary import TernarySpec
 
 WORD_CODES = 16  # 2-bit fields per int32 word
 FIELD_BIT = tuple(2 * (e // 2) + 16 * (e % 2) for e in range(WORD_CODES))
@@ -103,10 +102,49 @@ def repack(packed: torch.Tensor, scale: torch.Tensor, spec: TernarySpec, n: int,
                           f"(pack_axis={spec.pack_axis!r}, logical ({n}, {k}))")
     if scale.device != packed.device:
         raise FormatError(f"{name}: packed weight on {packed.device}, scale on {scale.device}")
-    values = unpack_values(packed, spec, name)  # int8 (N, K) on packed's device; null codes rejected
+    values = unpack_checkpoint(packed, spec, n, k, name)  # int8 (N, K) on packed's device
     return NativeTernary(qweight=pack_native(values), scale=_native_scale(scale, spec, n, k, name),
                          n=n, k=k, group_size=_native_group(spec, k),
                          act_quant=spec.activation_quant == "per_token_absmax_int8")
+
+
+# The serving side's own reading of the checkpoint bytes, written apart from the reference's decoder
+# (vllm_parity.reference.formats.ternary) on purpose: a bug shared by both would be invisible to parity.
+def unpack_checkpoint(packed: torch.Tensor, spec: TernarySpec, n: int, k: int, name: str = "weight",
+                      rows_per_step: int = 1024) -> torch.Tensor:
+    """The ternary values (int8 in {-1, 0, 1}) ``(N, K)`` of a packed checkpoint tensor: field ``f`` of every
+    byte (bits ``2f`` (lsb) or ``6 - 2f`` (msb)) holds logical element ``4b + f`` of the packed axis
+    (interleaved) or ``f * P + b`` (blocked). Codes that ``code_map`` marks as must-not-occur raise
+    DecodeError. Decoded a slab of rows at a time, so the temporaries stay small."""
+    along_input = spec.pack_axis == "input"
+    rows = packed if along_input else packed.t().contiguous()  # (other axis, P): bytes along the packed axis
+    other, p = rows.shape
+    shifts = torch.tensor([2 * f if spec.bit_order == "lsb" else 6 - 2 * f for f in range(4)], dtype=torch.uint8,
+                          device=packed.device)
+    # value(code) for code = 2h + l, as a polynomial in its two bits: v0 + (v1-v0) l + (v2-v0) h + (v0-v1-v2+v3) hl
+    v0, v1, v2, v3 = (0 if v is None else v for v in spec.code_map)
+    illegal = [c for c, v in enumerate(spec.code_map) if v is None]
+    values = torch.empty(other, 4 * p, dtype=torch.int8, device=packed.device)
+    bad = []
+    for r0 in range(0, other, rows_per_step):
+        codes = ((rows[r0:r0 + rows_per_step].unsqueeze(-1) >> shifts) & 3).to(torch.int8)  # (rows, P, 4)
+        low, high = codes & 1, codes >> 1
+        slab = (v1 - v0) * low + (v2 - v0) * high + (v0 - v1 - v2 + v3) * (low & high) + v0
+        if any(bool((codes == c).any()) for c in illegal):
+            bad.append((r0, torch.stack([(codes == c).any(-1) for c in illegal]).any(0)))
+        values[r0:r0 + rows_per_step] = slab.reshape(-1, 4 * p) if spec.pack_layout == "interleaved" else \
+            slab.transpose(1, 2).reshape(-1, 4 * p)
+    if bad:
+        per_byte = torch.zeros(rows.shape, dtype=torch.bool, device=packed.device)
+        for r0, b in bad:
+            per_byte[r0:r0 + b.shape[0]] = b
+        per_byte = per_byte if along_input else per_byte.t()  # back to the stored layout
+        first = tuple(int(i) for i in per_byte.nonzero()[0])
+        raise DecodeError(
+            f"{name}: {int(per_byte.sum())} of {packed.numel()} bytes hold code(s) {illegal}, which code_map "
+            f"{list(spec.code_map)} marks as must-not-occur (first at packed index {first}, byte value "
+            f"{int(packed[first])})")
+    return values if along_input else values.t().contiguous()
 
 
 def pack_native(values: torch.Tensor) -> torch.Tensor:
@@ -151,6 +189,7 @@ def _native_group(spec: TernarySpec, k: int) -> int:
 
 
 def _native_scale(scale: torch.Tensor, spec: TernarySpec, n: int, k: int, name: str) -> torch.Tensor:
+    # The checks repeat the reference's (vllm_parity.reference.formats.ternary) on purpose: see unpack_checkpoint.
     want = spec.scale_shape(n, k)
     if tuple(scale.shape) != want:
         raise FormatError(f"{name} scale: shape {tuple(scale.shape)}, expected {want} "

@@ -1,4 +1,4 @@
-"""Triton ternary linear ``y = x @ W^T (+ bias)`` on the native layout of :mod:`kernels.ternary_repack`.
+"""Triton ternary linear ``y = x @ W^T (+ bias)`` on the native layout of :mod:`vllm_parity.serving.ternary_repack`.
 
 Two kernels:
 
@@ -12,7 +12,7 @@ Both apply the fp32 scale per output channel in the epilogue (group scales per w
 element, see ``SCALE_MODE``), then the per-token activation scale and the bias, all in fp32.
 Activation quantization (FORMATS.md ``per_token_absmax_int8``) runs first in ``_act_quant_kernel``,
 which writes the integer-valued x_q as bf16 (exact) and s_x; the main kernels divide by s_x.
-Which kernel runs for which M is decided by the caller (:mod:`kernels.ternary_ops`), never here.
+Which kernel runs for which M is decided by the caller (:mod:`vllm_parity.serving.ternary_ops`), never here.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ternary_repack import WORD_CODES
+from vllm_parity.serving.ternary_repack import WORD_CODES
 
 # Bit pattern of int32 0xC0000000: the two bits a field is shifted into (fp32 sign and exponent MSB).
 _FIELD_MASK = tl.constexpr(-1073741824)

@@ -1,1 +1,1 @@
-"""parity"""
+"""vllm-parity: layer-by-layer parity of quantized models served by vLLM."""

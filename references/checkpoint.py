@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from references.errors import CheckpointError
-from references.formats import FormatSpec, parse_quantization_config
+from vllm_parity.errors import CheckpointError
+from vllm_parity.reference.formats import FormatSpec, parse_quantization_config
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 PROJECTIONS = {
@@ -185,32 +185,37 @@ class Checkpoint:
     # -- architecture -----------------------------------------------------------------------
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """Logical ``(N, K)`` of every projection, keyed by Hugging Face module name."""
+        """Logical ``(N, K)`` of every projection, keyed by transformers' module name."""
         return linear_shapes(self.config)
 
 
 def linear_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Logical ``(N, K)`` of every linear of the model but its output embedding, keyed by module name, as
+    transformers' own modeling class of ``model_type`` builds them (on the meta device: nothing allocated)."""
+    return dict(_linear_shapes(json.dumps({k: v for k, v in config.items() if k != "quantization_config"},
+                                          sort_keys=True)))
+
+
+@functools.lru_cache(maxsize=16)
+def _linear_shapes(config_json: str) -> tuple[tuple[str, tuple[int, int]], ...]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = json.loads(config_json)
+    model_type = cfg.pop("model_type", None)
     try:
-        hidden = int(config["hidden_size"])
-        inter = int(config["intermediate_size"])
-        layers = int(config["num_hidden_layers"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"config.json lacks a Llama architecture field: {exc}") from None
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    q, kv = heads * head_dim, kv_heads * head_dim
-    per_layer = {
-        "self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden),
-        "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, q),
-        "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
-        "mlp.down_proj": (hidden, inter),
-    }
-    return {f"model.layers.{i}.{m}": s for i in range(layers) for m, s in per_layer.items()}
+        config = AutoConfig.for_model(model_type, **cfg)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"config.json: transformers cannot build model_type {model_type!r} from it: "
+                              f"{exc}") from None
+    head = model.get_output_embeddings()
+    return tuple((name, (m.out_features, m.in_features)) for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and m is not head)
 
 
 def _parse_spec(config: dict[str, Any], where: Path) -> FormatSpec | None:
-    from references.errors import FormatError
+    from vllm_parity.errors import FormatError
 
     try:
         return parse_quantization_config(config.get("quantization_config"))

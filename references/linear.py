@@ -11,12 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from references import int8x, ternary
-from references.checkpoint import Checkpoint
-from references.errors import CheckpointError
-from references.formats import FormatSpec, TernarySpec
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+from vllm_parity.reference.checkpoint import Checkpoint
+from vllm_parity.reference.formats import FormatSpec
 
 
 def activation_fake_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,33 +23,7 @@ def activation_fake_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def read_stored(ckpt: Checkpoint, module: str, spec: FormatSpec, n: int, k: int) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one quantized projection, checked for name, shape and dtype."""
-    if isinstance(spec, TernarySpec):
-        names = spec.tensor_names(module)
-        spec.check_shape(n, k, module)
-        return {
-            "packed": ckpt.expect(names["weight"], spec.packed_shape(n, k), (torch.uint8,)),
-            "scale": ckpt.expect(names["scale"], spec.scale_shape(n, k), FLOAT_DTYPES),
-        }
-    stored = {}
-    for suffix, name in spec.tensor_names(module).items():
-        info = ckpt.info(name)
-        if info.dtype != int8x.DTYPES[suffix]:
-            raise CheckpointError(f"{info.file.name}: tensor {name!r} has dtype "
-                                  f"{str(info.dtype).removeprefix('torch.')}, expected "
-                                  f"{str(int8x.DTYPES[suffix]).removeprefix('torch.')}")
-        stored[suffix] = ckpt.tensor(name)
-    shape = tuple(int(v) for v in stored["weight_shape"].tolist())
-    if shape != (n, k):
-        raise CheckpointError(f"{ckpt.path}: tensor {module}.weight_shape is {list(shape)}, "
-                              f"expected [{n}, {k}] from config.json")
-    return stored
-
-
-def decode_stored(stored: dict[str, torch.Tensor], spec: FormatSpec, n: int, k: int, name: str,
-                  dtype: torch.dtype) -> torch.Tensor:
-    if isinstance(spec, TernarySpec):
-        return ternary.decode(stored["packed"], stored["scale"], spec, n, k, name=name, dtype=dtype)
-    return int8x.decode(stored, spec, name=name, dtype=dtype)
+    return spec.read_stored(ckpt, module, n, k)
 
 
 class ReferenceLinear(nn.Module):
@@ -65,21 +35,21 @@ class ReferenceLinear(nn.Module):
         self.name, self.spec = name, spec
         self.in_features, self.out_features = k, n
         self.dtype = dtype
-        self.activation_quant = getattr(spec, "activation_quant", None)
-        weight = decode_stored(stored, spec, n, k, name, dtype)  # validates eagerly, even when not cached
+        self.activation_quant = spec.activation_quant
+        weight = spec.decode(stored, n, k, name, dtype)  # validates eagerly, even when not cached
         self.stored = stored  # compact: kept so that a precision switch decodes afresh
         self.register_buffer("cached_weight", weight if cache else None, persistent=False)
 
     def weight(self) -> torch.Tensor:
         if self.cached_weight is not None:
             return self.cached_weight
-        return decode_stored(self.stored, self.spec, self.out_features, self.in_features, self.name, self.dtype)
+        return self.spec.decode(self.stored, self.out_features, self.in_features, self.name, self.dtype)
 
     def set_dtype(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
         if self.cached_weight is not None:  # decode again: rounding the fp32 weight would not be fp64
-            self.cached_weight = decode_stored(self.stored, self.spec, self.out_features, self.in_features,
-                                               self.name, dtype)
+            self.cached_weight = self.spec.decode(self.stored, self.out_features, self.in_features, self.name,
+                                                  dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)

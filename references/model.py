@@ -1,4 +1,5 @@
-"""The fp32 reference model: transformers' own LlamaForCausalLM with reference linears.
+"""The fp32 reference model: transformers' own modeling code for the checkpoint's ``model_type``
+(``AutoModelForCausalLM``), with reference linears.
 
 The model is built on the meta device, then every tensor is materialized from the checkpoint one at a
 time: float tensors as read, each quantized projection decoded into a :class:`ReferenceLinear`. No
@@ -11,19 +12,23 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from references.checkpoint import Checkpoint
-from references.errors import CheckpointError
-from references.linear import FLOAT_DTYPES, ReferenceLinear, read_stored
+from vllm_parity.errors import CheckpointError
+from vllm_parity.reference.checkpoint import Checkpoint
+from vllm_parity.reference.formats import FLOAT_DTYPES
+from vllm_parity.reference.linear import ReferenceLinear, read_stored
 
 
-def llama_config(ckpt: Checkpoint, attn_implementation: str = "eager") -> LlamaConfig:
-    cfg = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
-    arch = cfg.get("model_type", "llama")
-    if arch != "llama":
-        raise CheckpointError(f"{ckpt.path}/config.json: model_type {arch!r}; the reference covers the Llama family")
-    config = LlamaConfig(**cfg)
+def model_config(ckpt: Checkpoint, attn_implementation: str = "eager") -> PretrainedConfig:
+    """transformers' config class of the checkpoint's ``model_type``, from its config.json."""
+    cfg = {k: v for k, v in ckpt.config.items() if k not in ("quantization_config", "model_type")}
+    model_type = ckpt.config.get("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **cfg)
+    except ValueError as exc:
+        raise CheckpointError(f"{ckpt.path}/config.json: model_type {model_type!r} is not one transformers "
+                              f"knows ({exc})") from None
     config._attn_implementation = attn_implementation
     return config
 
@@ -36,13 +41,13 @@ def _float_tensor(ckpt: Checkpoint, name: str, shape: tuple[int, ...], dtype: to
 
 
 def build_reference_model(path: str | Path | Checkpoint, dtype: torch.dtype = torch.float32,
-                          cache: bool = True, attn_implementation: str = "eager") -> LlamaForCausalLM:
+                          cache: bool = True, attn_implementation: str = "eager") -> PreTrainedModel:
     """The reference model of any FORMATS.md checkpoint directory, in ``dtype`` (fp32, or fp64)."""
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
     spec = ckpt.spec
-    config = llama_config(ckpt, attn_implementation)
+    config = model_config(ckpt, attn_implementation)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     shapes = ckpt.linear_shapes()
     quantized = {m for m in shapes if spec is not None and not spec.is_ignored(m)}
 
@@ -78,7 +83,7 @@ def build_reference_model(path: str | Path | Checkpoint, dtype: torch.dtype = to
     return model.eval()
 
 
-def set_precision(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
+def set_precision(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
     """Switch a reference model between fp32 and fp64 (calibration), reference linears included."""
     model.to(dtype)
     for m in model.modules():

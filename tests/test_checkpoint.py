@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fixtures.checkpoints import Dims, make_fixture
-from references.checkpoint import Checkpoint
-from references.errors import CheckpointError, DecodeError, FormatError, ParityInputError
-from references.model import build_reference_model
+from vllm_parity.fixtures.checkpoints import Dims, make_fixture
+from vllm_parity.reference.checkpoint import Checkpoint
+from vllm_parity.errors import CheckpointError, DecodeError, FormatError, ParityInputError
+from vllm_parity.reference.model import build_reference_model
 
 TINY = Dims(hidden=64, layers=1, heads=2, kv_heads=1, intermediate=128, vocab=64)
 Q = "model.layers.0.self_attn.q_proj"

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from parity import report, snapshots
-from parity.cli import main
-from parity.compare import compare_dumps, first_divergence
-from parity.dumps import DumpReader, DumpWriter
-from parity.taps import canonical_order
-from parity.tolerances import ToleranceTable
+from vllm_parity.harness import report, snapshots
+from vllm_parity.tools.cli import main
+from vllm_parity.harness.compare import compare_dumps, first_divergence
+from vllm_parity.harness.dumps import DumpReader, DumpWriter
+from vllm_parity.harness.taps import canonical_order
+from vllm_parity.harness.tolerances import ToleranceTable
 
 TAPS = canonical_order(2)
 META = {"side": "reference", "model": "/models/m", "model_sha256": "a" * 64, "prompts_sha256": "b" * 64,
@@ -172,7 +172,7 @@ def test_diff_damaged_tensor_file_exits_2(capsys, dumps):
 
 def test_diff_console_script_exit_status(dumps):
     # the installed entry point passes main's return value to the shell
-    cmd = [sys.executable, "-m", "parity.cli", "diff", str(dumps["a"]), str(dumps["bad"]), "--taps", "layers.1.*"]
+    cmd = [sys.executable, "-m", "vllm_parity.tools.cli", "diff", str(dumps["a"]), str(dumps["bad"]), "--taps", "layers.1.*"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert "first divergence: layers.1.mlp.gate" in proc.stdout
@@ -326,7 +326,7 @@ def test_trend_append_table_and_drift(capsys, tmp_path):
 def test_trend_follows_the_token_relative_error(capsys, tmp_path):
     """Reports judged per token trend their token relative error against token_rtol; a line of before
     (min_atol only) in the same file does not mix with them."""
-    from parity import trend
+    from vllm_parity.harness import trend
 
     f = tmp_path / "trend.jsonl"
     for i in range(4):

@@ -9,12 +9,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from parity import report, snapshots
-from parity.compare import attribute, compare_dumps, first_divergence
-from parity.dumps import DumpReader, DumpWriter
-from parity.metrics import Tolerance, compare, passes
-from parity.taps import canonical_order, level_of
-from parity.tolerances import ToleranceTable, load, parse
+from vllm_parity.harness import report, snapshots
+from vllm_parity.harness.compare import attribute, compare_dumps, first_divergence
+from vllm_parity.harness.dumps import DumpReader, DumpWriter
+from vllm_parity.harness.metrics import Tolerance, compare, passes
+from vllm_parity.harness.taps import canonical_order, level_of
+from vllm_parity.harness.tolerances import ToleranceTable, load, parse
 
 
 @given(st.integers(1, 6), st.integers(1, 40), st.floats(1e-6, 1e3), st.integers(0, 10_000))
@@ -254,7 +254,7 @@ def test_report_round_trip(tmp_path):
     assert set(data["run"]) >= {"id", "started", "model", "format", "level", "mode", "prompts_sha256", "versions"}
     assert set(data["taps"][0]) >= {"name", "level", "layer", "shape", "metrics", "tolerance", "passed", "growth"}
     assert set(data["taps"][0]["metrics"]) == {"max_abs", "max_rel", "mean_abs", "cosine", "sqnr_db", "mismatch_frac",
-                                               "token_rel"}
+                                               "token_rel", "worst_token", "nonfinite", "numel"}
     assert "margin" in data["taps"][0]
     page = (out / "report.html").read_text()
     assert "layers.0.output" in page and "<svg" in page and "Heatmap" in page

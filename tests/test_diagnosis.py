@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from parity.diagnosis import KINDS, Hint, LinearContext, diagnose_depth, diagnose_tap
-from references import int8x, ternary
-from references.formats import PRESETS, Int8xSpec, TernarySpec
-from references.linear import ReferenceLinear, activation_fake_quant
+from vllm_parity.harness.diagnosis import KINDS, Hint, LinearContext, diagnose_depth, diagnose_tap
+from vllm_parity.reference.formats import int8x, ternary
+from vllm_parity.reference.formats.ternary import PRESETS, TernarySpec
+from vllm_parity.reference.formats.int8x import Int8xSpec
+from vllm_parity.reference.linear import ReferenceLinear, activation_fake_quant
 
 from tests.strategies import ternary_specs
 
@@ -216,7 +217,7 @@ def test_a_correct_candidate_gets_no_hint(spec, data):
     else:
         cand = F.linear(x64, w64).float()
     tp = data.draw(st.sampled_from([1, 2, 4]))
-    assert diagnose_tap(TAP, ref, cand, LinearContext(MODULE, x, lin), tp_size=tp) == []
+    assert diagnose_tap(TAP, ref, cand, LinearContext(MODULE, x, lin), tp_size=tp, parallel="row") == []
 
 
 @given(spec=ternary_specs(group_sizes=(4, 8, 16)), data=st.data())
@@ -228,7 +229,7 @@ def test_random_noise_gets_no_hint(spec, data):
     sigma = data.draw(st.sampled_from([1e-3, 1e-2, 0.1, 1.0])) * float(ref.std())
     cand = ref + sigma * torch.randn(ref.shape, generator=g)
     tp = data.draw(st.sampled_from([1, 2, 4]))
-    assert diagnose_tap(TAP, ref, cand, LinearContext(MODULE, x, lin), tp_size=tp) == []
+    assert diagnose_tap(TAP, ref, cand, LinearContext(MODULE, x, lin), tp_size=tp, parallel="row") == []
 
 
 def test_an_inherited_error_is_not_blamed_on_the_weight():
@@ -271,16 +272,16 @@ def test_error_confined_to_one_shard_is_tp_shard(tp, width, rank, how, seed):
     else:
         q = (r + 1) % tp
         cand[:, a:b] = ref[:, q * width:(q + 1) * width]
-    hints = diagnose_tap("layers.2.attn.q", ref, cand, tp_size=tp)
+    hints = diagnose_tap("layers.2.attn.q", ref, cand, tp_size=tp, parallel="column")
     assert hints and hints[0].kind == "tp_shard"
     ev = hints[0].evidence
     assert f"features {a}..{b - 1}, rank {r} of {tp}'s shard" in ev
     note = {"zeros": "all zeros", "scaled": "× 3", "other_rank": f"holds rank {(r + 1) % tp}'s values",
             "noise": "100.0 % of the error energy"}[how]
     assert note in ev
-    assert not any(h.kind == "tp_shard" for h in diagnose_tap("layers.2.attn.q", ref, cand, tp_size=1))
+    assert not any(h.kind == "tp_shard" for h in diagnose_tap("layers.2.attn.q", ref, cand, tp_size=1, parallel="column"))
     # a row-parallel output is reduced over ranks, not split by features: a feature block names no rank
-    assert diagnose_tap("layers.2.attn.o", ref, cand, tp_size=tp) == []
+    assert diagnose_tap("layers.2.attn.o", ref, cand, tp_size=tp, parallel="row") == []
 
 
 def test_non_finite_values_in_one_shard():
@@ -288,7 +289,7 @@ def test_non_finite_values_in_one_shard():
     ref = torch.randn(8, 64, generator=g)
     cand = ref + 1e-3 * torch.randn(8, 64, generator=g)  # bf16-like noise everywhere
     cand[2, 40] = math.nan
-    hints = diagnose_tap("layers.0.attn.q", ref, cand, tp_size=2)
+    hints = diagnose_tap("layers.0.attn.q", ref, cand, tp_size=2, parallel="column")
     assert [h.kind for h in hints] == ["tp_shard"]
     assert "features 32..63, rank 1 of 2's shard" in hints[0].evidence
     assert "1 non-finite values there" in hints[0].evidence
@@ -300,7 +301,7 @@ def test_every_wrong_shard_is_named_even_when_one_dominates():
     cand = ref.clone()
     cand[:, 0:32] += torch.randn(16, 32, generator=g)
     cand[:, 64:96] += 0.05 * torch.randn(16, 32, generator=g)
-    hints = diagnose_tap("layers.0.mlp.up", ref, cand, tp_size=4)
+    hints = diagnose_tap("layers.0.mlp.up", ref, cand, tp_size=4, parallel="column")
     assert [h.kind for h in hints] == ["tp_shard", "tp_shard"]
     assert "rank 0 of 4" in hints[0].evidence and "rank 2 of 4" in hints[1].evidence
     assert "in the 2 clean shard(s)" in hints[0].evidence
@@ -312,7 +313,8 @@ def test_one_rank_reading_the_wrong_bit_order_names_the_shard_then_the_cause():
     ref = lin(x)
     cand = ref.clone()
     cand[:, 32:] = _output(spec, _decode_as(lin, bit_order="msb"), x)[:, 32:]
-    hints = diagnose_tap("layers.3.mlp.gate", ref, cand, LinearContext(MODULE, x, lin), tp_size=2)
+    hints = diagnose_tap("layers.3.mlp.gate", ref, cand, LinearContext(MODULE, x, lin), tp_size=2,
+                         parallel="column")
     assert [h.kind for h in hints] == ["tp_shard", "bit_order"]
     assert "rank 1 of 2" in hints[0].evidence
     assert "within rank 1's shard (features 32..63)" in hints[1].evidence and "32 of 32 (100 %)" in hints[1].evidence
@@ -324,7 +326,7 @@ def test_row_parallel_partial_sum(alpha, says):
     lin, x = _linear(spec, 32, 64, seed=1)
     ref = lin(x)
     cand = ref + alpha * F.linear(x[:, 48:64], lin.weight()[:, 48:64])
-    hints = diagnose_tap(TAP, ref, cand, LinearContext(MODULE, x, lin), tp_size=4)
+    hints = diagnose_tap(TAP, ref, cand, LinearContext(MODULE, x, lin), tp_size=4, parallel="row")
     assert hints and hints[0].kind == "tp_shard"
     assert "rank 3's partial sum (input features 48..63)" in hints[0].evidence and says in hints[0].evidence
 

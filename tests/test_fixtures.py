@@ -3,16 +3,17 @@ import json
 import pytest
 import torch
 
-from fixtures import default_model
-from fixtures.checkpoints import FORMATS, Dims, make_fixture
-from fixtures.prompts import DEFAULT, SHORT, load_prompts, prompts_sha256
-from references import int8x, ternary
-from references.checkpoint import Checkpoint
-from references.formats import PRESETS, Int8xSpec
+from vllm_parity.fixtures import default_model
+from vllm_parity.fixtures.checkpoints import FORMATS, Dims, make_fixture
+from vllm_parity.fixtures.prompts import DEFAULT, SHORT, load_prompts, prompts_sha256
+from vllm_parity.reference.formats import int8x, ternary
+from vllm_parity.reference.checkpoint import Checkpoint
+from vllm_parity.reference.formats.ternary import PRESETS
+from vllm_parity.reference.formats.int8x import Int8xSpec
 
 TINY = Dims(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, vocab=256)
 
-# sha256 over the embedded default's files (fixtures.default_model.checkpoint_sha256): a change in
+# sha256 over the embedded default's files (vllm_parity.fixtures.default_model.checkpoint_sha256): a change in
 # the generator, numpy's stream or safetensors' layout shows here first.
 DEFAULT_MODEL_SHA256 = "2529d69e60da11c631ec23648b6994403dfd9e9034365444782666bed062e225"
 
@@ -103,7 +104,7 @@ def test_embedded_default_is_generated_once_and_stable(tmp_path, monkeypatch):
 
 
 def test_make_fixture_command(tmp_path, capsys):
-    from parity.cli import main
+    from vllm_parity.tools.cli import main
 
     out = tmp_path / "cli"
     assert main(["make-fixture", "--format", "hf-bitnet", "--out", str(out), "--seed", "5", "--hidden", "64",

@@ -4,8 +4,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from references.errors import FormatError
-from references.formats import PRESETS, Int8xSpec, TernarySpec, parse_quantization_config, preset
+from vllm_parity.errors import FormatError
+from vllm_parity.reference.formats.ternary import PRESETS, TernarySpec, preset
+from vllm_parity.reference.formats.int8x import Int8xSpec
+from vllm_parity.reference.formats import parse_quantization_config
 
 from tests.strategies import ternary_specs
 

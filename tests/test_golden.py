@@ -1,16 +1,17 @@
 """Golden references and the nightly trend — no engine needed."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from parity import golden, report, trend
-from parity.compare import compare_dumps
-from parity.dumps import DumpReader, DumpWriter
-from parity.golden import GoldenCorrupt, GoldenError, GoldenMismatch, GoldenMissing
-from parity.taps import canonical_order
-from parity.tolerances import ToleranceTable
+from vllm_parity.harness import golden, report, trend
+from vllm_parity.harness.compare import compare_dumps
+from vllm_parity.harness.dumps import DumpReader, DumpWriter
+from vllm_parity.harness.golden import GoldenCorrupt, GoldenError, GoldenMismatch, GoldenMissing
+from vllm_parity.harness.taps import canonical_order
+from vllm_parity.harness.tolerances import ToleranceTable
 
 MODEL, PROMPTS = "a" * 64, "b" * 64
 TAPS = canonical_order(2)
@@ -36,15 +37,26 @@ def test_fixture_names(tmp_path, monkeypatch):
     assert golden.fixture_name(None) == "default"
     assert golden.fixture_name(tmp_path / "cache" / "default-seed-article-0123456789ab") == "default"
     assert golden.fixture_name(tmp_path / "models" / "my-int8x") == "my-int8x"
-    assert golden.golden_path(tmp_path, "default") == tmp_path / "references" / "golden" / "default"
+    assert golden.golden_path(tmp_path, "default", writing=True) == tmp_path / "references" / "golden" / "default"
+    assert golden.golden_path(tmp_path, "my-int8x") == tmp_path / "references" / "golden" / "my-int8x"
     for bad in ("", "..", "a/b", ".hidden"):
         with pytest.raises(ValueError, match="cannot name a golden directory"):
             golden.golden_path(tmp_path, bad)
 
 
+def test_a_root_without_the_default_golden_reads_the_installed_one(tmp_path):
+    import vllm_parity.reference
+
+    shipped = golden.golden_path(tmp_path, "default")
+    assert shipped == Path(vllm_parity.reference.__file__).parent / "golden" / "default"
+    assert (shipped / "manifest.json").exists()
+    (tmp_path / "references" / "golden" / "default").mkdir(parents=True)
+    assert golden.golden_path(tmp_path, "default") == tmp_path / "references" / "golden" / "default"
+
+
 def test_write_and_load_round_trip(tmp_path):
     src = _dump(tmp_path / "ref")
-    dest = golden.write_golden(src, golden.golden_path(tmp_path, "default"))
+    dest = golden.write_golden(src, golden.golden_path(tmp_path, "default", writing=True))
     assert sorted(p.name for p in dest.parent.iterdir()) == ["default"]  # no temporary directory left behind
     g = golden.load_golden(dest, MODEL, PROMPTS)
     assert g.taps() == src.taps()

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from fixtures.checkpoints import Dims, make_fixture
+from vllm_parity.fixtures.checkpoints import Dims, make_fixture
 from tests.engine_runs import ZOO_PLUGIN
 from tests.engine_runs import report as _report
 from tests.engine_runs import run as _run
@@ -66,9 +66,10 @@ def test_golden_gate_on_the_embedded_default(pytester):
 
 
 def test_tensor_parallel_dumps_equal_single_rank(tmp_path):
-    from fixtures.prompts import load_prompts
-    from kernels.vllm_engine import close_llm, make_llm
-    from parity import vllm_side
+    from vllm_parity.fixtures.prompts import load_prompts
+    from vllm_parity.harness.engine import close_llm, make_llm
+    from vllm_parity.architectures import lookup
+    from vllm_parity.harness import vllm_side
 
     model = make_fixture("seed-article", tmp_path / "m", dims=SMALL)
     prompts = load_prompts()[:2]
@@ -76,7 +77,7 @@ def test_tensor_parallel_dumps_equal_single_rank(tmp_path):
     for tp in (1, 2):
         llm = make_llm(model, tensor_parallel_size=tp)
         try:
-            dumps[tp] = vllm_side.capture(llm, prompts, tmp_path / f"tp{tp}")
+            dumps[tp] = vllm_side.capture(llm, lookup("llama"), prompts, tmp_path / f"tp{tp}")
         finally:
             close_llm(llm)
     one, two = dumps[1], dumps[2]
@@ -99,9 +100,9 @@ import torch
 def pytest_configure(config):
     from vllm.model_executor.layers.quantization import register_quantization_config
 
-    from kernels import vllm_plugin
-    from kernels.vllm_config import TernaryConfig
-    from kernels.vllm_methods import TernaryLinearMethod
+    from vllm_parity.serving import vllm as vllm_plugin
+    from vllm_parity.serving.vllm.ternary import TernaryConfig
+    from vllm_parity.serving.vllm.ternary import TernaryLinearMethod
 
     kind, target = os.environ["PARITY_TEST_FAULT"].split(":")
     vllm_plugin.register()  # the real registration first; the engine's own call is then a no-op
@@ -222,8 +223,8 @@ def test_golden_round_trip_and_gate(pytester, monkeypatch, tmp_path):
     # a golden tap that no comparison reads is reported
     monkeypatch.delenv("PARITY_TEST_FAULT")
     (pytester.path / "conftest.py").unlink()
-    from parity.dumps import DumpReader, DumpWriter
-    from parity.golden import write_golden
+    from vllm_parity.harness.dumps import DumpReader, DumpWriter
+    from vllm_parity.harness.golden import write_golden
 
     src = DumpReader(golden)
     extended = DumpWriter(tmp_path / "extended", {k: v for k, v in src.manifest.items() if k not in ("taps", "schema")})
@@ -252,7 +253,7 @@ ZOO = [  # (fault class, projection, the tap where it must show)
 def test_fault_zoo(pytester, monkeypatch, tmp_path):
     """One engine, eight layers, a different planted fault in each: isolated mode marks exactly the
     planted taps as sources, the first one is the first divergence, and each hint names its class."""
-    from fixtures.checkpoints import with_spec
+    from vllm_parity.fixtures.checkpoints import with_spec
 
     spec = with_spec("seed-article", scale_granularity="group", group_size=32)
     model = make_fixture("ternary", tmp_path / "zoo", spec=spec, scale_dtype="float16",
@@ -288,7 +289,7 @@ def _widen_norm_eps(model, eps):
 
 
 def _session(model, tmp_path, **opts):
-    from parity.session import Options, ParitySession
+    from vllm_parity.harness.session import Options, ParitySession
 
     return ParitySession(Options(model=str(model), report_dir=str(tmp_path / "report"),
                                  snapshot_dir=str(tmp_path / "snap"), root=str(tmp_path), **opts))

@@ -23,12 +23,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fixtures.checkpoints import Dims, make_fixture, write_checkpoint
-from parity import format_inference
-from parity.cli import main
-from references import int8x, ternary
-from references.checkpoint import Checkpoint
-from references.formats import PRESETS, Int8xSpec, TernarySpec
+from vllm_parity.fixtures.checkpoints import Dims, make_fixture, write_checkpoint
+from vllm_parity.tools import format_inference
+from vllm_parity.tools.cli import main
+from vllm_parity.reference.formats import int8x, ternary
+from vllm_parity.reference.checkpoint import Checkpoint
+from vllm_parity.reference.formats.ternary import PRESETS, TernarySpec
+from vllm_parity.reference.formats.int8x import Int8xSpec
 
 DIMS = Dims(hidden=64, layers=1, heads=2, kv_heads=1, intermediate=128, vocab=64)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

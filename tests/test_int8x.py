@@ -14,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from references import int8x
-from references.errors import DecodeError, FormatError
-from references.formats import Int8xSpec
+from vllm_parity.reference.formats import int8x
+from vllm_parity.errors import DecodeError, FormatError
+from vllm_parity.reference.formats.int8x import Int8xSpec
 
 
 

@@ -22,11 +22,11 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kernels import int8x_cuda as kc  # noqa: E402
-from kernels import int8x_ops as ops  # noqa: E402
-from kernels import int8x_triton as kt  # noqa: E402
-from references import int8x  # noqa: E402
-from references.formats import Int8xSpec  # noqa: E402
+from vllm_parity.serving import int8x_cuda as kc  # noqa: E402
+from vllm_parity.serving import int8x_ops as ops  # noqa: E402
+from vllm_parity.serving import int8x_triton as kt  # noqa: E402
+from vllm_parity.reference.formats import int8x  # noqa: E402
+from vllm_parity.reference.formats.int8x import Int8xSpec  # noqa: E402
 
 # Where the Triton kernels run in this process: compiled on CUDA, or the CPU through the interpreter.
 TRITON_DEVICE = "cpu" if kt.interpreted() else ("cuda" if torch.cuda.is_available() else None)
@@ -327,7 +327,7 @@ def test_op_auto_backend_on_cpu_runs_torch():
 
 
 def test_cuda_module_imports_without_compiling():
-    assert kc.extension.module is None, "importing kernels.int8x_cuda must not build the extension"
+    assert kc.extension.module is None, "importing vllm_parity.serving.int8x_cuda must not build the extension"
     if not torch.cuda.is_available():
         assert not kc.available()
         with pytest.raises(RuntimeError, match="need a CUDA GPU and nvcc"):

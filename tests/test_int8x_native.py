@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from tests.test_int8x_kernels import (DTYPES, LINEAR_BOUND, SETTINGS, TRITON_DEVICE, activations,  # noqa: I001
                                       assert_rel_close, needs_triton, poisoned_allocations, requires_gpu)
-from kernels import int8x_native as nv
-from references import int8x
+from vllm_parity.serving import int8x_native as nv
+from vllm_parity.reference.formats import int8x
 
 SMALL = np.arange(-8, 8)
 OUTLIERS = np.concatenate([np.arange(-128, -8), np.arange(8, 128)])
@@ -134,7 +134,7 @@ def test_linear_matches_reference(backend, q, dtype, data):
 @given(q=int8_weights(), dtype=st.sampled_from(DTYPES))
 def test_triton_decode_is_exact(q, dtype):
     """The dense weight is q * scale rounded once to the dtype, every element (outliers land last)."""
-    from kernels import int8x_native_triton
+    from vllm_parity.serving import int8x_native_triton
 
     nat = _native(q, device=TRITON_DEVICE)
     with poisoned_allocations():
@@ -181,7 +181,7 @@ def test_bad_input_is_a_clear_error():
 
 @needs_triton
 def test_triton_launchers_check_the_layout():
-    from kernels import int8x_native_triton
+    from vllm_parity.serving import int8x_native_triton
 
     nat = _native(torch.zeros(4, 24, dtype=torch.int8), device=TRITON_DEVICE)
     x = torch.randn(1, 24, device=TRITON_DEVICE)

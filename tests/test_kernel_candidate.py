@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from fixtures.checkpoints import Dims, make_fixture
+from vllm_parity.fixtures.checkpoints import Dims, make_fixture
 
 pytest_plugins = ["pytester"]
 SMALL = Dims(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=256, vocab=1024)
@@ -29,8 +29,9 @@ def test_kernel_candidate_passes_every_level(pytester, tmp_path, monkeypatch, fm
 
 @pytest.mark.parametrize("layout, native", [("native", True), ("streams", False), ("auto", False)])
 def test_kernel_candidate_serves_int8x_in_the_chosen_layout(tmp_path, monkeypatch, layout, native):
-    from parity.kernel_candidate import KernelLinear, build_kernel_model
-    from references.checkpoint import Checkpoint
+    from vllm_parity.harness.kernel_candidate import build_kernel_model
+    from vllm_parity.reference.checkpoint import Checkpoint
+    from vllm_parity.serving.int8x_ops import KernelLinear
 
     monkeypatch.setenv("PARITY_INT8X_LAYOUT", layout)
     model = build_kernel_model(Checkpoint(make_fixture("int8x", tmp_path / "m", dims=SMALL)))

@@ -6,9 +6,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fixtures.real_model import derive
-from references import int8x, ternary
-from references.formats import Int8xSpec, TernarySpec, parse_quantization_config
+from vllm_parity.fixtures.real_model import derive
+from vllm_parity.reference.formats import int8x, ternary
+from vllm_parity.reference.formats.int8x import Int8xSpec
+from vllm_parity.reference.formats.ternary import TernarySpec
+from vllm_parity.reference.formats import parse_quantization_config
 
 MODULE = "model.layers.0.mlp.down_proj"
 

@@ -5,14 +5,14 @@ import json
 
 import pytest
 
-from parity.compare import compare_dumps, merge_isolated
-from parity.dumps import DumpReader
-from parity.session import Options, ParitySession
-from parity.tolerances import load
+from vllm_parity.harness.compare import compare_dumps, merge_isolated
+from vllm_parity.harness.dumps import DumpReader
+from vllm_parity.harness.session import Options, ParitySession
+from vllm_parity.harness.tolerances import load
 from tests.engine_runs import ZOO_PLUGIN, report, run
 
 pytest.importorskip("vllm", reason="the harness's default candidate is the vLLM engine")
-real_model = pytest.importorskip("fixtures.real_model")
+real_model = pytest.importorskip("vllm_parity.fixtures.real_model")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.real_model]
 pytest_plugins = ["pytester"]
 
@@ -46,8 +46,8 @@ def _model(fmt):
 def test_the_real_model_is_real(prompts):
     """The converted checkpoint is the model transformers loads from the GGUF file, with its
     massive activation, and the prompts are its own tokens."""
-    from references.checkpoint import Checkpoint
-    from references.model import build_reference_model
+    from vllm_parity.reference.checkpoint import Checkpoint
+    from vllm_parity.reference.model import build_reference_model
 
     ckpt = Checkpoint(_model("fp"))
     assert ckpt.config["num_hidden_layers"] == LAYERS and ckpt.config["vocab_size"] == 49152

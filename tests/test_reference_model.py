@@ -4,13 +4,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
-from fixtures.checkpoints import Dims, make_fixture
-from fixtures.prompts import load_prompts
-from references import ternary
-from references.checkpoint import Checkpoint
-from references.formats import PRESETS
-from references.linear import ReferenceLinear, activation_fake_quant
-from references.model import build_reference_model, set_precision
+from vllm_parity.architectures import lookup
+from vllm_parity.fixtures.checkpoints import Dims, make_fixture
+from vllm_parity.fixtures.prompts import load_prompts
+from vllm_parity.reference.formats import ternary
+from vllm_parity.reference.checkpoint import Checkpoint
+from vllm_parity.reference.formats.ternary import PRESETS
+from vllm_parity.reference.linear import ReferenceLinear, activation_fake_quant
+from vllm_parity.reference.model import build_reference_model, set_precision
 
 from tests.strategies import ternary_matrices, ternary_specs
 
@@ -118,7 +119,7 @@ def test_hf_bitnet_reference_linear_matches_transformers_bitlinear():
 def test_capture_does_not_depend_on_the_first_forward(fixture_dirs, tmp_path):
     """A process's first forward can take other library code paths (fp32 attention 3e-4 off, one run in
     ten on two threads); the dump must hold what every later forward computes."""
-    from parity.reference_side import capture
+    from vllm_parity.harness.reference_side import capture
 
     model = build_reference_model(fixture_dirs["int8x"])
     prompts = [p[:24] for p in load_prompts()[:2]]
@@ -130,7 +131,7 @@ def test_capture_does_not_depend_on_the_first_forward(fixture_dirs, tmp_path):
             return (out[0] + 1e-3, *out[1:]) if isinstance(out, tuple) else out + 1e-3
 
     handle = model.model.layers[0].register_forward_hook(first_call_differs)
-    dump = capture(model, prompts, tmp_path / "dump")
+    dump = capture(model, lookup("llama"), prompts, tmp_path / "dump")
     with torch.no_grad():
         steady = model(torch.tensor([prompts[0]]), use_cache=False, output_hidden_states=True).hidden_states[1]
     handle.remove()

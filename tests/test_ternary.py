@@ -5,9 +5,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from references import ternary
-from references.errors import DecodeError, FormatError
-from references.formats import PRESETS, TernarySpec
+from vllm_parity.reference.formats import ternary
+from vllm_parity.errors import DecodeError, FormatError
+from vllm_parity.reference.formats.ternary import PRESETS, TernarySpec
 
 from tests.strategies import ternary_matrices, ternary_specs
 

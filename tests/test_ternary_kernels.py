@@ -1,8 +1,8 @@
 """Property tests of every ternary kernel against the fp64 reference (shared FORMATS.md section 1).
 
-Reference: ``references.ternary.decode`` in float64, then ``x.double() @ W.T`` (+ bias), with the
+Reference: ``vllm_parity.reference.formats.ternary.decode`` in float64, then ``x.double() @ W.T`` (+ bias), with the
 per-token activation quantization emulated in float64. Every FORMATS.md variant goes through
-``kernels.ternary_repack.repack`` first. On the CPU the Triton kernels run in the interpreter
+``vllm_parity.serving.ternary_repack.repack`` first. On the CPU the Triton kernels run in the interpreter
 (TRITON_INTERPRET=1, set below before triton is imported) beside the pure-torch op; the Triton and
 CUDA kernels on a GPU are marked ``gpu``.
 
@@ -30,12 +30,12 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from references.errors import DecodeError, FormatError
-from references.formats import PRESETS, TernarySpec
-from references.ternary import decode, pack_codes, unpack_values
+from vllm_parity.errors import DecodeError, FormatError
+from vllm_parity.reference.formats.ternary import PRESETS, TernarySpec
+from vllm_parity.reference.formats.ternary import decode, pack_codes, unpack_values
 
-from kernels import ternary_cuda, ternary_ops, ternary_triton
-from kernels.ternary_repack import (NativeTernary, native_weight, pack_native, pack_tiles, repack, tiles_from_native,
+from vllm_parity.serving import ternary_cuda, ternary_ops, ternary_triton
+from vllm_parity.serving.ternary_repack import (NativeTernary, native_weight, pack_native, pack_tiles, repack, tiles_from_native,
                                     tiles_shape, unpack_tiles)
 
 CUDA = torch.cuda.is_available()
@@ -300,7 +300,7 @@ def test_repack_decodes_like_reference(case):
     worst = int(err.argmax()) if err.numel() else 0
     idx = (worst // max(ref.shape[1], 1), worst % max(ref.shape[1], 1))
     assert bool((err <= tol * ref.abs()).all()), (
-        f"native weight differs from references.ternary.decode: max |diff| {err.max().item():.3g} at {idx}: "
+        f"native weight differs from vllm_parity.reference.formats.ternary.decode: max |diff| {err.max().item():.3g} at {idx}: "
         f"native={w[idx].item()!r}, reference={ref[idx].item()!r}; case {describe(case)}")
 
 
@@ -309,13 +309,13 @@ def test_repack_presets_roundtrip(name):
     spec = PRESETS[name]
     n, k = 8, 32
     values = torch.tensor([-1, 0, 1])[torch.randint(3, (n, k), generator=torch.Generator().manual_seed(1))]
-    from references.ternary import pack_values
+    from vllm_parity.reference.formats.ternary import pack_values
 
     packed = pack_values(values, spec)
     scale = torch.rand(spec.scale_shape(n, k), generator=torch.Generator().manual_seed(2)) + 0.5
     native = repack(packed, scale, spec, n, k)
     assert native.act_quant == (spec.activation_quant is not None), f"{name}: act_quant flag lost"
-    from kernels.ternary_repack import unpack_native
+    from vllm_parity.serving.ternary_repack import unpack_native
 
     got = unpack_native(native.qweight, k)
     assert torch.equal(got, unpack_values(packed, spec)), f"{name}: native values differ from the reference"
@@ -444,7 +444,7 @@ def test_kernel_choice_is_by_shape_only():
 
 
 def test_cuda_module_imports_without_compiling():
-    assert ternary_cuda.extension.module is None, "importing kernels.ternary_cuda must not build the extension"
+    assert ternary_cuda.extension.module is None, "importing vllm_parity.serving.ternary_cuda must not build the extension"
     if not CUDA:
         assert not ternary_cuda.available()
         with pytest.raises(RuntimeError, match="CUDA GPU"):

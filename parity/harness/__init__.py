@@ -1,0 +1,1 @@
+"""The harness: capture both sides, store, judge, diagnose, report; the pytest plugin."""

@@ -1,0 +1,51 @@
+"""Running the reference (or a candidate built on the same modeling code) and dumping its taps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from vllm_parity.harness.dumps import DumpReader, DumpWriter
+from vllm_parity.harness.recorder import Recorder
+from vllm_parity.architectures import Architecture
+
+
+def capture(model: nn.Module, arch: Architecture, prompts: list[list[int]], out: str | Path, meta: dict | None = None,
+            wanted: Callable[[str], bool] | None = None, isolate_from: DumpReader | None = None) -> DumpReader:
+    """Run each prompt on its own (batch 1, no padding) and dump every tap; with ``isolate_from``
+    every decoder layer is fed that dump's input for it."""
+    writer = DumpWriter(out, meta)
+    num_layers = model.config.num_hidden_layers
+    if prompts:
+        # A process's first forward can take other library code paths: on two CPU threads, about one run
+        # in ten computed fp32 attention 3e-4 off its fp64 value for prompt 0 only. Discard one forward.
+        with torch.no_grad():
+            model(torch.tensor([prompts[0]], dtype=torch.long), use_cache=False)
+    current = {"prompt": 0}
+    feeds = []
+    if isolate_from is not None:
+        for i, layer in enumerate(model.model.layers):
+            def feed(mod, args, i=i):
+                ref = isolate_from.get(f"layers.{i}.input", current["prompt"]).to(args[0].dtype)
+                return (ref.unsqueeze(0), *args[1:])
+            feeds.append(layer.register_forward_pre_hook(feed))
+    rec = Recorder(model, arch.taps, num_layers, writer, wanted=wanted).install()
+    try:
+        for p, ids in enumerate(prompts):
+            current["prompt"] = p
+            rec.rows = lambda t, p=p: {p: t[0] if t.dim() == 3 else t}
+            with torch.no_grad():
+                model(torch.tensor([ids], dtype=torch.long), use_cache=False)
+            rec.flush()
+    finally:
+        rec.remove()
+        for h in feeds:
+            h.remove()
+    missing = rec.missing()
+    if missing:
+        raise RuntimeError(f"taps never fired on the reference: {missing[:5]}")
+    writer.meta["side"] = writer.meta.get("side", "reference")
+    return DumpReader(writer.close())

@@ -1,0 +1,237 @@
+"""Dumping the taps of the real vLLM engine, aligned with the reference as (prompt, position, features).
+
+Hooks are installed where the model lives, in every worker, through ``collective_rpc`` with the
+module-level functions below (importable, so they reach spawned tensor-parallel workers and the
+multiprocess engine as well as the in-process one). Each rank streams its taps to its own dump; the
+parent then gathers the ranks: column-parallel outputs are concatenated along features, everything
+else (replicated, or row-parallel and already reduced) is taken from rank 0.
+
+vLLM flattens every scheduled token of a step into one batch. Rows are mapped back from the step's
+own metadata, never from an assumed order: ``query_start_loc`` of the attention metadata splits the
+batch into requests, the model runner's ``input_batch.req_ids`` names them (our request ids carry
+the prompt index), and the positions are the first decoder layer's ``positions`` argument. The
+engine runs with prefix caching and chunked prefill off (``vllm_parity.harness.engine``); that each prompt
+ran as one full forward is checked, not trusted.
+
+The ``logits`` tap: vLLM computes logits only for sampled positions, so the tap applies the model's
+own ``compute_logits`` (logits processor + lm_head, the path vLLM samples from) to every position's
+final hidden state inside the same forward.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from vllm_parity.harness.dumps import DumpReader, DumpWriter, key
+from vllm_parity.harness.recorder import Recorder
+from vllm_parity.architectures import Architecture
+from vllm_parity.harness.taps import expand
+
+REQUEST = re.compile(r"^parity-(\d+)(?:-|$)")
+_ACTIVE: dict[str, dict] = {}  # per worker process: capture id -> its recorder and hooks
+
+
+class _StepRows:
+    """Maps the token rows of the current forward to (prompt, positions)."""
+
+    def __init__(self, runner, prompt_lens: list[int]):
+        self.runner = runner
+        self.prompt_lens = prompt_lens
+        self.spans: list[tuple[int, int, int]] | None = None  # (prompt, start row, end row)
+
+    def begin(self) -> None:
+        """At the step's first module (the embedding): split rows by request from the metadata."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        self.spans = None
+        if not is_forward_context_available():
+            return
+        meta = get_forward_context().attn_metadata
+        if not meta:
+            return  # a dummy / profiling run
+        first = next(iter(meta.values())) if isinstance(meta, dict) else meta
+        qsl = first.query_start_loc.tolist()
+        req_ids = list(self.runner.input_batch.req_ids)[: len(qsl) - 1]
+        spans = []
+        for r, rid in enumerate(req_ids):
+            m = REQUEST.match(str(rid))
+            if m is not None:
+                spans.append((int(m.group(1)), qsl[r], qsl[r + 1]))
+        self.spans = spans
+
+    def check_positions(self, positions: torch.Tensor) -> None:
+        """At the first decoder layer: every prompt must be one full prefill, positions 0..T-1."""
+        for prompt, start, end in self.spans or ():
+            pos = positions[start:end].cpu()
+            want = torch.arange(self.prompt_lens[prompt], dtype=pos.dtype)
+            if end - start != len(want) or not torch.equal(pos, want):
+                raise RuntimeError(
+                    f"prompt {prompt} was not run as one full prefill (positions {pos[:3].tolist()}…, "
+                    f"{end - start} rows for {len(want)} tokens): prefix caching or chunked prefill is on")
+
+    def __call__(self, t: torch.Tensor) -> dict[int, torch.Tensor]:
+        if not self.spans:
+            return {}
+        return {p: t[s:e] for p, s, e in self.spans}
+
+
+def _parallel(model, plan) -> dict[str, str]:
+    """How each tap is spread over the ranks, from the module it is read at: the output of a column-parallel
+    linear, or the input of a row-parallel one, is a shard of the features ("column"; "column_kv" for the
+    k / v slices, which repeat when there are fewer kv heads than ranks); a row-parallel output is an
+    all-reduced partial sum ("row"); the logits are gathered over the vocabulary ("vocab")."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+    modules = dict(model.named_modules())
+    kinds = {"logits": "vocab"}
+    for tap, point, path in plan:
+        mod = modules.get(path)
+        if point.hook == "output" and isinstance(mod, ColumnParallelLinear) and not mod.gather_output:
+            kinds[tap] = "column_kv" if isinstance(mod, QKVParallelLinear) and point.take != "part.0" else "column"
+        elif point.hook == "input" and isinstance(mod, RowParallelLinear) and mod.input_is_parallel:
+            kinds[tap] = "column"
+        elif point.hook == "output" and isinstance(mod, RowParallelLinear):
+            kinds[tap] = "row"
+    return kinds
+
+
+def _fused(arch: Architecture, packed: dict, num_layers: int) -> dict[str, list[str]]:
+    """Each tap of a fused vLLM layer -> every tap of that layer, in the order of its output's slices."""
+    out = {}
+    for group in arch.fused_groups(packed):
+        for i in range(num_layers):
+            concrete = [t.format(i=i) for t in group]
+            out.update({t: concrete for t in concrete})
+    return out
+
+
+def _install_worker(worker, capture_id: str, arch: Architecture, out: str, prompt_lens: list[int],
+                    taps: list[str] | None, meta: dict, isolate_from: str | None = None) -> dict:
+    """Runs in each worker: hook the model, stream this rank's taps to ``out/rank{r}``.
+
+    With ``isolate_from`` (a reference dump directory) every decoder layer is fed the reference's input
+    for that layer, so each layer's error is its own.
+    """
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    rank = get_tensor_model_parallel_rank()
+    runner = worker.model_runner
+    model = runner.get_model()
+    rows = _StepRows(runner, prompt_lens)
+    writer = DumpWriter(Path(out) / f"rank{rank}", {**meta, "rank": rank})
+    wanted = set(taps) if taps is not None else None
+    attn = model.model.layers[0].self_attn
+    packed = dict(getattr(model, "packed_modules_mapping", {}))
+    num_layers = model.config.num_hidden_layers
+    points = arch.serving_points(packed)
+    rec = Recorder(model, points, num_layers, writer,
+                   wanted=lambda t: t != "logits" and (wanted is None or t in wanted))
+    rec.rows = rows
+    # The compiled-model decorator calls LlamaModel around nn.Module.__call__, so its own hooks never
+    # fire: the step starts at the embedding, and positions are the first decoder layer's argument.
+    handles = [model.model.embed_tokens.register_forward_pre_hook(lambda mod, args: rows.begin()),
+               model.model.layers[0].register_forward_pre_hook(lambda mod, args: rows.check_positions(args[0]))]
+    if isolate_from is not None:
+        ref = DumpReader(isolate_from)
+        for i, layer in enumerate(model.model.layers):
+            handles.append(layer.register_forward_pre_hook(_feed_reference(ref, i, rows)))
+    rec.install()
+    if wanted is None or "logits" in wanted:
+        def logits(mod, args, out):
+            if rows.spans:
+                full = model.compute_logits(out[0] if isinstance(out, tuple) else out)
+                if full is not None:  # ranks other than 0 may get None from the gather
+                    rec._capture("logits", full)
+        handles.append(model.model.norm.register_forward_hook(logits))
+    _ACTIVE[capture_id] = {"rec": rec, "handles": handles, "writer": writer}
+    return {"rank": rank, "kv_heads": attn.num_kv_heads, "total_kv_heads": attn.total_num_kv_heads,
+            "parallel": _parallel(model, expand(points, num_layers)), "fused": _fused(arch, packed, num_layers)}
+
+
+def _feed_reference(ref: DumpReader, layer: int, rows: _StepRows):
+    """A pre-hook giving decoder layer ``layer`` the reference's input, residual folded in (None)."""
+    def hook(mod, args):
+        positions, hidden = args[0], args[1]
+        if not rows.spans:
+            return None
+        fed = (hidden if args[2] is None else hidden + args[2]).clone()
+        for p, s, e in rows.spans:
+            fed[s:e] = ref.get(f"layers.{layer}.input", p).to(fed.dtype)
+        return (positions, fed, None, *args[3:])
+    return hook
+
+
+def _finish_worker(worker, capture_id: str) -> dict:
+    state = _ACTIVE.pop(capture_id)
+    rec: Recorder = state["rec"]
+    rec.flush()
+    rec.remove()
+    for h in state["handles"]:
+        h.remove()
+    state["writer"].close()
+    return {"seen": sorted(rec.seen), "planned": [t for t, _, _ in rec.plan]}
+
+
+def capture(llm, arch: Architecture, prompts: list[list[int]], out: str | Path, meta: dict | None = None,
+            taps: list[str] | None = None, isolate_from: DumpReader | None = None) -> DumpReader:
+    """Run every prompt once through ``llm`` and dump its taps (``taps`` None: all of them);
+    ``isolate_from``: feed each decoder layer that reference dump's input for it."""
+    from vllm import SamplingParams
+
+    out = Path(out)
+    ranks_dir = out.parent / f".{out.name}.ranks"
+    shutil.rmtree(ranks_dir, ignore_errors=True)
+    capture_id = f"{out}"
+    meta = dict(meta or {})
+    iso = str(isolate_from.root) if isolate_from is not None else None
+    infos = llm.collective_rpc(_install_worker, args=(capture_id, arch, str(ranks_dir), [len(p) for p in prompts],
+                                                      taps, meta, iso))
+    world = len(infos)
+    # with fewer kv heads than ranks, consecutive ranks hold the same kv head
+    kv_step = max(1, world // max(1, infos[0]["total_kv_heads"]))
+    try:
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        engine = llm.llm_engine
+        for p, ids in enumerate(prompts):
+            engine.add_request(f"parity-{p}", {"prompt_token_ids": list(ids)}, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        states = llm.collective_rpc(_finish_worker, args=(capture_id,))
+    seen = set().union(*(set(s["seen"]) for s in states))
+    planned = states[0]["planned"] + ([] if taps is not None and "logits" not in taps else ["logits"])
+    missing = [t for t in planned if t not in seen]
+    if missing:
+        raise RuntimeError(f"taps never fired in vLLM: {missing[:5]} (hooks need enforce_eager=True)")
+    _gather_ranks(ranks_dir, out, world, kv_step, {**meta, "side": meta.get("side", "candidate"),
+                                                   "tensor_parallel_size": world, "parallel": infos[0]["parallel"],
+                                                   "fused": infos[0]["fused"]})
+    shutil.rmtree(ranks_dir, ignore_errors=True)
+    return DumpReader(out)
+
+
+def _gather_ranks(ranks_dir: Path, out: Path, world: int, kv_step: int, meta: dict) -> None:
+    """One dump from the ranks' dumps, a layer group at a time."""
+    readers = [DumpReader(ranks_dir / f"rank{r}") for r in range(world)]
+    writer = DumpWriter(out, meta)
+    by_group: dict[str, dict[str, torch.Tensor]] = {}
+    for tap in readers[0].taps():
+        group = ".".join(tap.split(".")[:2]) if tap.startswith("layers.") else tap
+        how = meta["parallel"].get(tap, "replicated")
+        for p in readers[0].prompts(tap):
+            if how.startswith("column") and world > 1:
+                ranks = readers[::kv_step] if how == "column_kv" else readers
+                t = torch.cat([r.get(tap, p) for r in ranks], dim=-1)
+            else:
+                t = readers[0].get(tap, p)
+            by_group.setdefault(group, {})[key(tap, p)] = t
+        if len(by_group) > 1:  # a group is complete once the next one starts
+            first = next(iter(by_group))
+            writer.write(first, by_group.pop(first))
+    for group, tensors in by_group.items():
+        writer.write(group, tensors)
+    writer.close()

@@ -1,0 +1,1 @@
+"""Tools: the `parity` command and the checkpoint inspector."""

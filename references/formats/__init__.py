@@ -1,0 +1,121 @@
+"""The formats a checkpoint's ``quantization_config`` may name, registered by ``quant_method``.
+
+A format is one module: its spec (a frozen dataclass parsed from ``quantization_config``), its codec and
+the reference's reading and decoding of its tensors. The built-in ones are the modules of this package
+(shared FORMATS.md: ``ternary``, ``int8x``), found by name at first use; another is made known with
+:func:`register`. One parser for the whole project: the reference model, the fixtures, ``parity inspect``
+and the vLLM plugin all read a checkpoint's format through :func:`parse_quantization_config`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from vllm_parity.errors import FormatError
+
+if TYPE_CHECKING:
+    from vllm_parity.reference.checkpoint import Checkpoint
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what a stored float may be
+
+
+def choice(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise FormatError(f"{key} = {value!r} is not one of {list(allowed)}")
+
+
+def _no_unknown(body: dict, known: set[str], method: str) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise FormatError(f"unknown key(s) {unknown} in a {method!r} quantization_config; known: {sorted(known)}")
+
+
+def build(cls: type, body: dict, known: set[str], list_keys: tuple[str, ...]) -> FormatSpec:
+    _no_unknown(body, known, cls.quant_method)
+    return cls(**{k: _as_tuple(k, v) if k in list_keys else v for k, v in body.items()})
+
+
+def _as_tuple(key: str, value: Any) -> tuple:
+    if not isinstance(value, (list, tuple)):
+        raise FormatError(f"{key} must be a list, got {value!r}")
+    return tuple(value)
+
+
+def _is_ignored(module: str, ignore: tuple[str, ...]) -> bool:
+    return any(module == pat or module.endswith("." + pat) for pat in ignore)
+
+
+class FormatSpec(ABC):
+    """What every format's spec provides (a frozen dataclass subclassing this)."""
+
+    quant_method: ClassVar[str]
+    ignore: tuple[str, ...]
+    activation_quant: str | None = None
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, body: dict[str, Any]) -> FormatSpec:
+        """The spec of a ``quantization_config`` (without its ``quant_method``); FormatError when invalid."""
+
+    @abstractmethod
+    def to_config(self) -> dict[str, Any]:
+        """The ``quantization_config`` dict, every key spelled out."""
+
+    def is_ignored(self, module: str) -> bool:
+        return _is_ignored(module, self.ignore)
+
+    @abstractmethod
+    def tensor_names(self, module: str) -> dict[str, str]:
+        """Role -> checkpoint tensor name of one quantized projection."""
+
+    @abstractmethod
+    def read_stored(self, ckpt: Checkpoint, module: str, n: int, k: int) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors of one projection of logical shape ``(N, K)``, checked for name, shape, dtype."""
+
+    @abstractmethod
+    def decode(self, stored: dict[str, torch.Tensor], n: int, k: int, name: str,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight ``(N, K)`` in ``dtype``; DecodeError for data that must not occur."""
+
+    @abstractmethod
+    def code_step(self, stored: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The weight change of one code off by one, per output channel (or one for the tensor), fp64."""
+
+
+FORMATS: dict[str, type[FormatSpec]] = {}
+
+
+def register(spec_class: type[FormatSpec]) -> type[FormatSpec]:
+    """Make a format known under its ``quant_method`` (usable as a class decorator)."""
+    FORMATS[spec_class.quant_method] = spec_class
+    return spec_class
+
+
+def known() -> list[str]:
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")
+    return sorted(FORMATS)
+
+
+def parse_quantization_config(config: dict[str, Any] | None) -> FormatSpec | None:
+    """Parse ``quantization_config`` (None for a plain floating-point checkpoint)."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise FormatError(f"quantization_config must be an object, got {type(config).__name__}")
+    method = config.get("quant_method")
+    if not isinstance(method, str):
+        raise FormatError(f"quantization_config has no quant_method string: {config!r}")
+    method = method.lower()
+    if method not in FORMATS:
+        known()
+    if method not in FORMATS:
+        raise FormatError(f"unknown quant_method {config.get('quant_method')!r}: known {known()}; add a format as "
+                          f"a module of vllm_parity.reference.formats, or register a FormatSpec subclass with "
+                          f"vllm_parity.reference.formats.register")
+    return FORMATS[method].from_config({k: v for k, v in config.items() if k != "quant_method"})

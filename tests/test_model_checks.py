@@ -1,0 +1,45 @@
+"""The model-level checks as functions of the two sides' data (no engine)."""
+
+import math
+
+import torch
+
+from vllm_parity.harness import model_checks
+from vllm_parity.harness.dumps import DumpReader, DumpWriter, key
+from vllm_parity.harness.metrics import Tolerance
+
+
+def _logits(path, rows: list[list[list[float]]]) -> DumpReader:
+    w = DumpWriter(path, {"side": "x"})
+    w.write("logits", {key("logits", p): torch.tensor(r) for p, r in enumerate(rows)})
+    return DumpReader(w.close())
+
+
+def test_greedy_names_the_first_token_that_differs():
+    got = model_checks.greedy([[5, 6, 7], [1, 2]], [[5, 6, 7], [1, 3]])
+    assert not got["passed"]
+    assert [r["first_mismatch"] for r in got["prompts"]] == [None, 1]
+    assert model_checks.greedy([[4]], [[4]])["passed"]
+
+
+def test_topk_agreement_both_ways(tmp_path):
+    ref = _logits(tmp_path / "r", [[[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]]])
+    # position 0: top-1 swapped with the second, still within each other's top-2; position 1: the
+    # candidate's top-1 (token 0) is outside the reference's top-2 (tokens 3, 2)
+    cand = _logits(tmp_path / "c", [[[2.0, 3.0, 1.0, 0.0], [9.0, 1.0, 2.0, 3.0]]])
+    got = model_checks.topk(ref, cand, k=2)
+    assert (got["agree"], got["total"], got["passed"]) == (1, 2, False)
+    assert got["disagree_at"] == [{"prompt": 0, "position": 1}]
+
+
+def test_logprobs_within_tolerance_and_top1_in_the_others_topk(tmp_path):
+    ref = _logits(tmp_path / "r", [[[2.0, 1.0, 0.0], [0.0, 0.0, 0.0]]])
+    lp = torch.log_softmax(torch.tensor([2.0, 1.0, 0.0], dtype=torch.float64), dim=-1).tolist()
+    near = [[None, {0: lp[0] + 1e-4, 1: lp[1]}]]  # position 1 is predicted by the logits at position 0
+    got = model_checks.logprobs(ref, near, k=2, tol=Tolerance(atol=1e-3))
+    assert got["passed"] and got["positions"] == 1 and math.isclose(got["max_abs"], 1e-4, rel_tol=1e-6)
+    far = [[None, {0: lp[0] + 1e-2, 1: lp[1]}]]
+    assert not model_checks.logprobs(ref, far, k=2, tol=Tolerance(atol=1e-3))["passed"]
+    swapped = [[None, {2: lp[0], 1: lp[1]}]]  # the candidate's top-1 (token 2) is not in the reference's top-2
+    got = model_checks.logprobs(ref, swapped, k=2, tol=Tolerance(atol=10.0))
+    assert not got["passed"] and got["mismatches"][0]["candidate_top"][0] == 2
