@@ -64,8 +64,7 @@ def format_cap(ckpt: Checkpoint, arch: Architecture, reference: DumpReader, tap:
     spec = ckpt.spec
     if spec.is_ignored(module):
         return None
-    n, k = ckpt.linear_shapes()[module]
-    step = spec.code_step(spec.read_stored(ckpt, module, n, k))
+    step = spec.code_step(ckpt, module)
     x = reference.stacked(input_tap)[0].double().abs()
     move = float(torch.quantile(step.flatten(), 0.1)) * float(x.median())  # one code off by one
     y = reference.stacked(tap)[0].double()

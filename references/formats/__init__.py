@@ -83,8 +83,9 @@ class FormatSpec(ABC):
         """The float weight ``(N, K)`` in ``dtype``; DecodeError for data that must not occur."""
 
     @abstractmethod
-    def code_step(self, stored: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The weight change of one code off by one, per output channel (or one for the tensor), fp64."""
+    def code_step(self, ckpt: Checkpoint, module: str) -> torch.Tensor:
+        """The weight change of one code off by one, per output channel (or one for the tensor), fp64; reads
+        only the scales."""
 
 
 FORMATS: dict[str, type[FormatSpec]] = {}

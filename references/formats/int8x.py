@@ -71,8 +71,9 @@ class Int8xSpec(FormatSpec):
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return decode(stored, self, name=name, dtype=dtype)
 
-    def code_step(self, stored: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.tensor([abs(scale_of(stored))], dtype=torch.float64)
+    def code_step(self, ckpt: Checkpoint, module: str) -> torch.Tensor:
+        scale = scale_of({"weight_scale": ckpt.tensor(f"{module}.weight_scale")}, module)
+        return torch.tensor([abs(scale)], dtype=torch.float64)
 
     def to_config(self) -> dict[str, Any]:
         return {"quant_method": self.quant_method, "levels": list(self.levels),

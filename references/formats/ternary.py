@@ -113,8 +113,8 @@ class TernarySpec(FormatSpec):
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return decode(stored["packed"], stored["scale"], self, n, k, name=name, dtype=dtype)
 
-    def code_step(self, stored: dict[str, torch.Tensor]) -> torch.Tensor:
-        s = stored["scale"].double().abs()
+    def code_step(self, ckpt: Checkpoint, module: str) -> torch.Tensor:
+        s = ckpt.tensor(self.tensor_names(module)["scale"]).double().abs()
         return s if self.scale_mode == "multiply" else 1.0 / s
 
     def to_config(self) -> dict[str, Any]:

@@ -36,8 +36,8 @@ class DummyInt8Spec(FormatSpec):
     def decode(self, stored, n: int, k: int, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (stored["q"].double() * stored["scale"].double()[:, None]).to(dtype)
 
-    def code_step(self, stored) -> torch.Tensor:
-        return stored["scale"].double().abs()
+    def code_step(self, ckpt, module: str) -> torch.Tensor:
+        return ckpt.tensor(self.tensor_names(module)["scale"]).double().abs()
 
 
 def encode(w: torch.Tensor) -> dict[str, torch.Tensor]:
