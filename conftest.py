@@ -10,9 +10,18 @@ from hypothesis import HealthCheck, settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# pytester drops the modules a test imported when the test ends; transformers' generation code (which
-# reading a checkpoint's shapes imports) registers torch operators, which cannot happen twice in a process.
-import transformers.generation.utils  # noqa: E402, F401
+# pytester drops the modules a test imported when its in-process run ends, but transformers' lazy mappings
+# keep the modules they imported: a later import makes a second ``LlamaConfig`` class (which vLLM's workers
+# then cannot unpickle), and transformers' generation code registers torch operators, which cannot happen
+# twice in a process. So the configuration and modeling modules of every known architecture load here, once.
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # noqa: E402
+
+from vllm_parity.architectures import known  # noqa: E402
+
+for _model_type in known():
+    if _model_type in CONFIG_MAPPING:
+        MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[_model_type]]
 
 settings.register_profile("dev", max_examples=25, deadline=None)
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,

@@ -29,7 +29,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from vllm_parity.reference.formats.ternary import PRESETS, TernarySpec  # noqa: E402
 from vllm_parity.reference.formats.ternary import pack_values  # noqa: E402
-from vllm_parity.serving import ternary_ops, ternary_triton  # noqa: E402
+from vllm_parity.serving import choose, ternary_ops, ternary_triton  # noqa: E402
 from vllm_parity.serving.ternary_repack import repack  # noqa: E402
 
 SHAPES = [(2048, 2048), (2048, 5632), (5632, 2048), (4096, 4096), (4096, 14336), (14336, 4096)]  # (K, N)
@@ -127,7 +127,7 @@ def bench_shape(k: int, n: int, ms: list[int], kernels: list[str], copy_gbps: fl
                                  error=f"{type(exc).__name__}: {exc}"[:500]))
                 print(f"  {kernel} K={k} N={n} M={m}: FAILED {exc}", file=sys.stderr)
                 continue
-            chosen = ternary_ops.select_kernel("auto", m, dtype, base.group_size, True, base.act_quant)
+            chosen = choose.ternary_kernel("auto", m, dtype, base.group_size, True, base.act_quant)
             nat_bytes = tile_bytes if (chosen if kernel == "ternary" else kernel) == "cuda_mma" else row_bytes
             gbps = (nat_bytes + io_bytes) / us / 1e3
             rows.append(dict(kernel=kernel, K=k, N=n, M=m, dtype=str(dtype).replace("torch.", ""),

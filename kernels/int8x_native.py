@@ -13,24 +13,22 @@ value of the stored format 3 / 6 bits more than an L1 value).
     torch.ops.vllm_parity.int8x_native_linear(x, codes, row_ptr, outliers, scale, n_rows, n_cols, backend)
         -> x @ W^T, shape (..., n_rows), x.dtype; backend "torch", "triton" or "auto" (triton on CUDA)
 
+Whether a weight is served in this layout (``PARITY_INT8X_LAYOUT``), its backend and its kernel for M rows
+of x are chosen by ``vllm_parity.serving.choose`` (kernels/choose.py).
+
 No backend reads tensor values on the host, so the op is safe under torch.compile and CUDA graphs.
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
-from vllm_parity.serving import int8x_ops
+from vllm_parity.serving import choose
 
-BACKENDS = ("torch", "triton", "auto")
-ENV_LAYOUT = "PARITY_INT8X_LAYOUT"
-LAYOUTS = ("auto", "native", "streams")
 CODES_PER_WORD = 8
 MAX_COLS = 1 << 23  # an outlier entry keeps k in its upper 24 bits
-GEMV_MAX_M = 16  # above, the triton backend decodes the weight once and runs a dense GEMM
 
 
 class Int8xNative(NamedTuple):
@@ -102,46 +100,30 @@ def for_serving(q: torch.Tensor, tensors: dict[str, torch.Tensor]) -> Int8xNativ
     """The native layout to serve an int8x tensor set with (its validated int8 weights ``q``), or None to
     keep the stored streams. ``PARITY_INT8X_LAYOUT``: ``auto`` (default) where it takes no more memory than
     the stored tensors, ``native`` always, ``streams`` never."""
-    choice = os.environ.get(ENV_LAYOUT) or "auto"
-    if choice not in LAYOUTS:
-        raise ValueError(f"{ENV_LAYOUT} = {choice!r}, expected one of {LAYOUTS}")
+    choice = choose.int8x_layout()
     if choice == "streams":
         return None
     native = pack(q, tensors["weight_scale"].cpu())
     return native if choice == "native" or fits(native, tensors) else None
 
 
-def backend_for(device: torch.device, requested: str | None = None) -> str:
-    """``torch`` or ``triton`` from a requested int8x backend (or ``int8x_ops.ENV_BACKEND``): the layout has
-    no CUDA C++ kernel, so ``cuda`` and ``auto`` mean Triton on CUDA tensors and torch elsewhere."""
-    chosen = requested or os.environ.get(int8x_ops.ENV_BACKEND) or "auto"
-    return chosen if chosen in ("torch", "triton") else _resolve("auto", device)
-
-
 # -- the op ---------------------------------------------------------------------------------------
-
-
-def _resolve(backend: str, device: torch.device) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"int8x_native_linear: backend {backend!r}, expected one of {BACKENDS}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return backend
 
 
 @torch.library.custom_op("vllm_parity::int8x_native_linear", mutates_args=())
 def int8x_native_linear(x: torch.Tensor, codes: torch.Tensor, row_ptr: torch.Tensor, outliers: torch.Tensor,
                         scale: torch.Tensor, n_rows: int, n_cols: int, backend: str) -> torch.Tensor:
-    backend = _resolve(backend, x.device)
+    backend = choose.int8x_native_op_backend(backend, x.device)
     if x.shape[-1] != n_cols:
         raise ValueError(f"int8x_native_linear: x has {x.shape[-1]} input features, the weight ({n_rows}, {n_cols})")
     x2 = x.reshape(-1, n_cols)
     native = Int8xNative(codes, row_ptr, outliers, scale, n_rows, n_cols)
-    if backend == "triton" and x2.shape[0] <= GEMV_MAX_M:
+    kernel = choose.int8x_native_kernel(backend, x2.shape[0])
+    if kernel == "triton_gemv":
         from vllm_parity.serving import int8x_native_triton
 
         y = int8x_native_triton.linear(x2, native)
-    elif backend == "triton":  # many rows of x: decode once, then the dense GEMM
+    elif kernel == "triton_gemm":  # many rows of x: decode once, then the dense GEMM
         from vllm_parity.serving import int8x_native_triton
 
         y = torch.nn.functional.linear(x2, int8x_native_triton.decode(native, x.dtype))
@@ -160,5 +142,6 @@ def linear(x: torch.Tensor, native: Int8xNative, bias: torch.Tensor | None = Non
            backend: str = "auto") -> torch.Tensor:
     """``x @ W^T (+ bias)`` for ``x`` of shape ``(..., K)`` through the op; result in ``x.dtype``."""
     y = torch.ops.vllm_parity.int8x_native_linear(x, native.codes, native.row_ptr, native.outliers, native.scale,
-                                                  native.n, native.k, _resolve(backend, x.device))
+                                                  native.n, native.k,
+                                                  choose.int8x_native_op_backend(backend, x.device))
     return y if bias is None else y + bias

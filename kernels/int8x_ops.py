@@ -10,7 +10,8 @@ under ``TRITON_INTERPRET=1``), ``"cuda"`` (kernels/int8x_cuda.py, csrc/int8x.cu:
 first use) or ``"auto"``: cuda for CUDA tensors where nvcc can build it, else triton on CUDA, torch elsewhere.
 :func:`decode` and :func:`linear` pick it from their argument, else from
 ``PARITY_KERNEL_BACKEND=torch|triton|cuda|auto``, else ``auto`` for CUDA tensors and torch elsewhere; the ops
-also accept ``"auto"`` and resolve it from their tensors' device.
+also accept ``"auto"`` and resolve it from their tensors' device. Both choices are made by
+``vllm_parity.serving.choose`` (kernels/choose.py: ``int8x_backend``, ``int8x_op_backend``).
 
 The shape comes in as Python ints and the scale stays a tensor, so no backend reads tensor values on the host
 or branches on them: all are safe under torch.compile and CUDA graphs. Validate the tensors once
@@ -19,39 +20,17 @@ at load time (``vllm_parity.serving.int8x_load.decode_streams``); the ops trust 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from vllm_parity.reference.formats.int8x import Int8xSpec
+from vllm_parity.serving import choose
 
-BACKENDS = ("torch", "triton", "cuda", "auto")
-ENV_BACKEND = "PARITY_KERNEL_BACKEND"
 STREAMS = ("weight_b1", "weight_b2", "weight_l1", "weight_l2", "weight_l3", "weight_b1_blk", "weight_b2_blk",
            "weight_scale")
 
 # Blocks decoded per step of the torch path: bounds its int64 temporaries to ~tens of MB.
 _TORCH_CHUNK_ELEMS = 1 << 20
 _MASK32 = 0xFFFFFFFF
-
-
-def _auto(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "torch"
-    from vllm_parity.serving import int8x_cuda
-
-    return "cuda" if int8x_cuda.available() else "triton"
-
-
-def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """The concrete backend (never ``"auto"``) for tensors on ``device``."""
-    chosen = backend or os.environ.get(ENV_BACKEND) or ("auto" if device.type == "cuda" else "torch")
-    if chosen not in BACKENDS:
-        source = "backend argument" if backend else ENV_BACKEND
-        raise ValueError(f"int8x: {source} = {chosen!r}, expected one of {BACKENDS}")
-    if chosen == "cuda" and device.type != "cuda":
-        raise ValueError(f"int8x backend 'cuda' needs CUDA tensors, got {device}; use 'torch' or 'triton'")
-    return _auto(device) if chosen == "auto" else chosen
 
 
 # -- pure torch ---------------------------------------------------------------------------------
@@ -100,17 +79,11 @@ def _torch_decode_q(b1, b2, l1, l2, l3, b1_blk, b2_blk, n: int, block_size: int)
 # -- the ops ------------------------------------------------------------------------------------
 
 
-def _op_backend(backend: str, device: torch.device) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"int8x op: backend {backend!r}, expected one of {BACKENDS}")
-    return _auto(device) if backend == "auto" else backend
-
-
 @torch.library.custom_op("vllm_parity::int8x_decode", mutates_args=())
 def int8x_decode(b1: torch.Tensor, b2: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, l3: torch.Tensor,
                  b1_blk: torch.Tensor, b2_blk: torch.Tensor, scale: torch.Tensor, n_rows: int, n_cols: int,
                  block_size: int, dtype: torch.dtype, backend: str) -> torch.Tensor:
-    backend = _op_backend(backend, b1.device)
+    backend = choose.int8x_op_backend(backend, b1.device)
     if backend == "triton":
         from vllm_parity.serving import int8x_triton
 
@@ -132,7 +105,7 @@ def _int8x_decode_fake(b1, b2, l1, l2, l3, b1_blk, b2_blk, scale, n_rows, n_cols
 def int8x_linear(x: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor,
                  l3: torch.Tensor, b1_blk: torch.Tensor, b2_blk: torch.Tensor, scale: torch.Tensor, n_rows: int,
                  n_cols: int, block_size: int, backend: str) -> torch.Tensor:
-    backend = _op_backend(backend, x.device)
+    backend = choose.int8x_op_backend(backend, x.device)
     if x.shape[-1] != n_cols:
         raise ValueError(f"int8x_linear: x has {x.shape[-1]} input features, the weight ({n_rows}, {n_cols})")
     x2 = x.reshape(-1, n_cols)
@@ -174,7 +147,7 @@ def decode(tensors: dict[str, torch.Tensor], shape: tuple[int, int] | None = Non
     n_rows, n_cols = _shape(tensors, shape)
     args = [tensors[s] for s in STREAMS]
     return torch.ops.vllm_parity.int8x_decode(*args, n_rows, n_cols, spec.block_size, dtype,
-                                              resolve_backend(backend, args[0].device))
+                                              choose.int8x_backend(backend, args[0].device))
 
 
 def linear(x: torch.Tensor, tensors: dict[str, torch.Tensor], shape: tuple[int, int] | None = None,
@@ -184,7 +157,7 @@ def linear(x: torch.Tensor, tensors: dict[str, torch.Tensor], shape: tuple[int, 
     n_rows, n_cols = _shape(tensors, shape)
     args = [tensors[s] for s in STREAMS]
     y = torch.ops.vllm_parity.int8x_linear(x, *args, n_rows, n_cols, spec.block_size,
-                                           resolve_backend(backend, x.device))
+                                           choose.int8x_backend(backend, x.device))
     return y if bias is None else y + bias
 
 
@@ -208,6 +181,6 @@ class KernelLinear(torch.nn.Module):
 
             if self.native.codes.device != x.device:
                 self.native = self.native.to(x.device)
-            return int8x_native.linear(x, self.native, backend=int8x_native.backend_for(x.device, self.backend))
+            return int8x_native.linear(x, self.native, backend=choose.int8x_native_backend(self.backend, x.device))
         return linear(x, self.tensors, shape=(self.out_features, self.in_features), spec=self.spec,
                       backend=self.backend)

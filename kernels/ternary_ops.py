@@ -2,8 +2,8 @@
 
 The op takes the kernel by name and does nothing that depends on tensor values or needs a host
 sync, so it can be captured in CUDA graphs and traced by torch.compile (a fake implementation
-gives its output shape). Which kernel runs for a given M is decided here, in Python, before the
-op is called.
+gives its output shape). Which kernel runs for a given M is decided in Python before the op is
+called, by ``vllm_parity.serving.choose`` (kernels/choose.py: ``ternary_backend``, ``ternary_kernel``).
 
 Backends (argument ``backend`` or env ``PARITY_KERNEL_BACKEND``): ``torch`` (pure torch, any
 device), ``triton`` (GPU, or the CPU through ``TRITON_INTERPRET=1``), ``cuda`` (``csrc/ternary.cu``),
@@ -17,21 +17,11 @@ weight once, then torch's GEMM: large M), ``cuda_vec`` (CUDA cores, any dtype), 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from vllm_parity.reference.formats.ternary import TernarySpec
+from vllm_parity.serving import choose
 from vllm_parity.serving.ternary_repack import NativeTernary, native_weight, repack, unpack_native  # noqa: F401
-
-BACKENDS = ("torch", "triton", "cuda", "auto")
-KERNELS = ("torch", "triton_gemv", "triton_mm", "cuda_naive", "cuda_vec", "cuda_mma", "cuda_dequant")
-
-# M thresholds between kernels (measured on an H200, benchmarks/NOTES.md).
-TRITON_GEMV_MAX_M = 1
-AUTO_CUDA_VEC_MAX_M = 2
-MMA_MAX_M = 64
-DEQUANT_MIN_M = 384
 
 
 def _torch_impl(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -80,52 +70,12 @@ def ternary_linear_op(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
         from vllm_parity.serving import ternary_cuda
 
         return ternary_cuda.linear_dequant(x, qweight, scale, bias, k, group_size, act_quant)
-    raise ValueError(f"unknown ternary kernel {kernel!r}; expected one of {KERNELS}")
+    raise ValueError(f"unknown ternary kernel {kernel!r}; expected one of {choose.TERNARY_KERNELS}")
 
 
 @torch.library.register_fake("vllm_parity::ternary_linear")
 def _ternary_linear_fake(x, qweight, scale, bias, k, group_size, act_quant, kernel, tiles=None):
     return x.new_empty((x.shape[0], qweight.shape[0]))
-
-
-def default_backend(device: torch.device) -> str:
-    return "auto" if device.type == "cuda" else "torch"
-
-
-def resolve_backend(backend: str | None, device: torch.device) -> str:
-    backend = backend or os.environ.get("PARITY_KERNEL_BACKEND") or default_backend(device)
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown ternary backend {backend!r}; expected one of {BACKENDS}")
-    if backend in ("cuda", "auto") and device.type != "cuda":
-        raise ValueError(f"ternary backend {backend!r} needs CUDA tensors, got {device}")
-    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise ValueError("ternary backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 "
-                         "(set before triton is imported)")
-    return backend
-
-
-def mma_eligible(dtype: torch.dtype | None, group_size: int, tiled: bool) -> bool:
-    return tiled and dtype in (torch.float16, torch.bfloat16) and group_size % 128 == 0
-
-
-def select_kernel(backend: str, m: int, dtype: torch.dtype | None = None, group_size: int = 0,
-                  tiled: bool = False, act_quant: bool = False) -> str:
-    """The kernel a backend runs for ``m`` rows: a Python decision on shapes, dtypes and flags only."""
-    if backend == "torch":
-        return "torch"
-    if backend == "triton":
-        return "triton_gemv" if m <= TRITON_GEMV_MAX_M else "triton_mm"
-    from vllm_parity.serving import ternary_cuda
-
-    cuda = backend == "cuda" or ternary_cuda.available()
-    half = dtype in (torch.float16, torch.bfloat16)
-    if cuda and m <= MMA_MAX_M and mma_eligible(dtype, group_size, tiled):
-        return "cuda_mma"
-    if cuda and m >= DEQUANT_MIN_M and half and not act_quant:
-        return "cuda_dequant"
-    if backend == "cuda" or cuda and m <= AUTO_CUDA_VEC_MAX_M:
-        return "cuda_vec"
-    return select_kernel("triton", m)
 
 
 def ternary_linear(x: torch.Tensor, native: NativeTernary, bias: torch.Tensor | None = None,
@@ -134,8 +84,8 @@ def ternary_linear(x: torch.Tensor, native: NativeTernary, bias: torch.Tensor | 
     if x.shape[-1] != native.k:
         raise ValueError(f"x has {x.shape[-1]} input features, the ternary weight expects {native.k}")
     x2 = x.reshape(-1, native.k)
-    kernel = select_kernel(resolve_backend(backend, x.device), x2.shape[0], x.dtype, native.group_size,
-                           native.tiles is not None, native.act_quant)
+    kernel = choose.ternary_kernel(choose.ternary_backend(backend, x.device), x2.shape[0], x.dtype,
+                                   native.group_size, native.tiles is not None, native.act_quant)
     y = torch.ops.vllm_parity.ternary_linear(x2, native.qweight, native.scale, bias, native.k,
                                              native.group_size, native.act_quant, kernel, native.tiles)
     return y.reshape(*x.shape[:-1], native.n)

@@ -3,7 +3,7 @@
 # kernel benchmarks, all on the project built as a wheel from this checkout and installed (no dependencies)
 # into a temporary directory. Logs and JSON go to $OUT when set (else benchmarks/results).
 #   bash scripts/gpu_suite.sh [--quick] [--sweep]     (extra arguments go to benchmarks/kernels.py)
-# PARITY_GPU_TESTS: test files (default: both kernel files); PARITY_GPU_K: a pytest -k expression.
+# PARITY_GPU_TESTS: test files (default: the kernel files and the kernel choice); PARITY_GPU_K: a pytest -k expression.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
@@ -48,7 +48,7 @@ with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
 EOF
 
 tests=()
-for f in ${PARITY_GPU_TESTS:-tests/test_ternary_kernels.py tests/test_int8x_kernels.py}; do
+for f in ${PARITY_GPU_TESTS:-tests/test_ternary_kernels.py tests/test_int8x_kernels.py tests/test_int8x_native.py tests/test_choose.py}; do
     [ -f "$f" ] && tests+=("$f")
 done
 "$py" -m pytest -p no:cacheprovider -m "gpu or not vllm" -q -rs --durations=15 ${PARITY_GPU_K:+-k "$PARITY_GPU_K"} \

@@ -300,11 +300,11 @@ def test_one_wrong_tensor_parallel_shard_is_named(tmp_path):
     s = _session(model, tmp_path, level="op", tensor_parallel_size=2)
     try:
         s.llm().collective_rpc(_corrupt_rank1, args=("model.layers.1.mlp.gate_up_proj",))
-        results = s.run()
-        hints = {(h["tap"], h["kind"]) for h in s.hints}
+        results = s.judgement()
+        hints = {(h.tap, h.kind) for h in s.diagnosis().hints}
     finally:
         s.finish()
-    assert [r.name for r in results.values() if r.role == "source"] == ["layers.1.mlp.gate", "layers.1.mlp.up"]
+    assert [r.name for r in results.taps if r.role == "source"] == ["layers.1.mlp.gate", "layers.1.mlp.up"]
     assert ("layers.1.mlp.gate", "tp_shard") in hints and ("layers.1.mlp.up", "tp_shard") in hints
 
 
@@ -314,9 +314,8 @@ def test_norm_epsilon_drift_is_named(tmp_path):
     s = _session(model, tmp_path, level="block")
     try:
         s.llm().apply_model(lambda m: _widen_norm_eps(m, 3e-4))  # the checkpoint says 1e-5
-        s.run()
-        hints = [h for h in s.hints if h["kind"] == "drift"]
+        hints = [h for h in s.diagnosis().hints if h.kind == "drift"]
     finally:
         s.finish()
-    assert hints, s.hints
-    assert "token relative error of the layer outputs grows steadily" in hints[0]["evidence"]
+    assert hints
+    assert "token relative error of the layer outputs grows steadily" in hints[0].evidence

@@ -14,8 +14,9 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import ClassVar
 from unittest import mock
 
 import pytest
@@ -24,7 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_parity.fixtures.checkpoints import Dims, make_fixture, write_checkpoint
-from vllm_parity.tools import format_inference
+from vllm_parity.tools import inference
+from vllm_parity.tools.inference import int8x as int8x_inference, registry
+from vllm_parity.tools.inference import ternary as ternary_inference
+from vllm_parity.tools.inference.keys import Keys
 from vllm_parity.tools.cli import main
 from vllm_parity.reference.formats import int8x, ternary
 from vllm_parity.reference.checkpoint import Checkpoint
@@ -153,7 +157,7 @@ def test_against_recovers_drawn_variants(truth, said, declared, scale_dtype, flo
         elif declared == "scrambled":
             set_declared(q, said.to_config())
         # A tiny screening slice exercises the slice-then-full-matrix path on these small matrices.
-        with mock.patch.object(format_inference, "SCREEN_ELEMENTS", screen):
+        with mock.patch.object(ternary_inference, "SCREEN_ELEMENTS", screen):
             rc, report, _ = inspect_json(q, "--against", fp)
 
     # Keys the data cannot show come from config.json, or the defaults when it has none.
@@ -298,7 +302,7 @@ def test_json_schema(pairs):
     assert report["schema"] == "parity-inspect/1" and report["format"] == "ternary"
     assert list(report["quantization_config"]) == list(TernarySpec().to_config())
     ck = Checkpoint(q)
-    assert [t["name"] for t in report["tensors"]] == format_inference.natural_sorted(ck.keys())
+    assert [t["name"] for t in report["tensors"]] == inference.natural_sorted(ck.keys())
     for t in report["tensors"]:
         assert {"name", "shape", "dtype", "role", "min", "max", "distinct", "code_histogram"} <= set(t)
         assert tuple(t["shape"]) == ck.tensors[t["name"]].shape
@@ -377,11 +381,11 @@ def test_ignored_modules_against_the_declared_ignore(tmp_path):
 def test_tensor_stats_distinct_values_beyond_the_first_elements():
     few = torch.zeros(10_000)
     few[9_000:] = torch.arange(1000) % 16  # 16 distinct values, all after the first 4096 elements
-    assert format_inference.tensor_stats(few)["distinct"] == [float(v) for v in range(16)]
+    assert inference.tensor_stats(few)["distinct"] == [float(v) for v in range(16)]
     many = few.clone()
     many[-1] = 99.0
-    assert format_inference.tensor_stats(many)["distinct"] is None
-    stats = format_inference.tensor_stats(torch.tensor([1.0, float("nan"), -2.0]))
+    assert inference.tensor_stats(many)["distinct"] is None
+    stats = inference.tensor_stats(torch.tensor([1.0, float("nan"), -2.0]))
     assert (stats["min"], stats["max"], stats["nonfinite"]) == (-2.0, 1.0, 1)
 
 
@@ -436,3 +440,144 @@ def test_console_script(pairs):
     proc = subprocess.run([str(exe), "inspect", str(q), "--json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["quantization_config"] == PRESETS["seed-article"].to_config()
+
+
+# -- formats: each one a file, registered ---------------------------------------------------------
+
+
+def _projection(ck: Checkpoint, module: str) -> tuple[dict, dict]:
+    """suffix -> key and suffix -> header of one projection's tensors, as the scan hands them to a format."""
+    entries = {key.rpartition(".")[2]: key for key in ck.keys() if key.rpartition(".")[0] == module}
+    return entries, {s: ck.tensors[key] for s, key in entries.items()}
+
+
+def test_ternary_fit_on_its_own(pairs):
+    """The ternary file alone: its scan reads the layout from the shapes, its search finds the format."""
+    q, fp = pairs["hf-bitnet"]
+    spec = PRESETS["hf-bitnet"]
+    ck, fck = Checkpoint(q), Checkpoint(fp)
+    for module, (n, k) in ck.linear_shapes().items():
+        entries, info = _projection(ck, module)
+        roles: dict[str, str] = {}
+        assert int8x_inference.Int8xFormat().scan(module, n, k, entries, info, None, roles) is None
+        m = ternary_inference.TernaryFormat().scan(module, n, k, entries, info, None, roles)
+        assert (m.kind, m.problems, m.pack_axis, m.scale_granularity) == ("ternary", [], "output", "tensor")
+        assert roles == {f"{module}.weight": "packed weight", f"{module}.weight_scale": "scale"}
+        packed = ck.tensor(m.keys["weight"])
+        fits = ternary_inference.fit_ternary(m, packed, ck.tensor(m.keys["scale"]), fck.tensor(f"{module}.weight"))
+        survivors, rejected = ternary_inference.combine_fits({module: fits})
+        occurs = torch.bincount(ternary.unpack_codes(packed, spec).flatten().long(), minlength=4) > 0
+        assert survivors == [{"pack_layout": "blocked", "bit_order": "lsb",
+                              "code_map": [v if occurs[c] else None for c, v in enumerate(spec.code_map)],
+                              "scale_modes": ["divide"]}]
+        assert len(rejected) == 3 and all(r["fits"] == 0 for r in rejected)
+
+
+def test_int8x_fit_on_its_own(tmp_path):
+    """The int8x file alone: its scan claims the streams, the block tables give the block size."""
+    spec = Int8xSpec(block_size=256)
+    ck = Checkpoint(make_fixture("int8x", tmp_path / "q", dims=DIMS, spec=spec))
+    fmt = int8x_inference.Int8xFormat()
+    assert fmt.specificity > ternary_inference.TernaryFormat.specificity  # its uint8 streams look packed, too
+    for module, (n, k) in ck.linear_shapes().items():
+        entries, info = _projection(ck, module)
+        roles: dict[str, str] = {}
+        m = fmt.scan(module, n, k, entries, info, None, roles)
+        assert (m.kind, m.problems, m.keys) == ("int8x", [], spec.tensor_names(module))
+        assert roles[f"{module}.weight_b1_blk"] == "int8x b1_blk" and len(roles) == len(Int8xSpec.suffixes)
+        t = {s: ck.tensor(m.keys[s]) for s in ("weight_b1", "weight_b1_blk")}
+        assert int8x_inference.int8x_block_sizes(t, n * k) == ({256}, 0)
+
+
+@dataclass(frozen=True)
+class _DummySpec:
+    """A format no floor knows: int8 codes ``weight_q`` times one float scale ``weight_s`` per matrix."""
+
+    ignore: tuple[str, ...] = ("lm_head",)
+    quant_method: ClassVar[str] = "dummy"
+
+    def to_config(self) -> dict:
+        return {"quant_method": self.quant_method, "ignore": list(self.ignore)}
+
+    def is_ignored(self, module: str) -> bool:
+        return any(module == p or module.endswith("." + p) for p in self.ignore)
+
+
+class _DummyFormat(inference.Format):
+    quant_method = "dummy"
+    looks_like = "int8 dummy codes"
+    key_order = ("quant_method", "ignore")
+
+    def scan(self, module, n, k, entries, info, declared, roles):
+        if "weight_q" not in entries:
+            return None
+        m = inference.Matrix(module, n, k, "dummy", stored_shape=tuple(info["weight_q"].shape))
+        for suffix, role in (("weight_q", "dummy codes"), ("weight_s", "dummy scale")):
+            m.keys[suffix] = entries[suffix]
+            roles[entries[suffix]] = role
+        return m
+
+    def fit(self, insp):
+        keys = insp.keys = Keys(insp.declared_raw, insp.declared, _DummySpec())
+        keys.set("quant_method", "dummy", "inferred")
+        keys.take_fallback("ignore")
+        insp.build_spec()
+
+    def build_spec(self, values):
+        return _DummySpec(ignore=tuple(values["ignore"]))
+
+    def describe(self, insp, m, entry, tensor_pass):
+        q = tensor_pass.read(m.keys["weight_q"]).to(torch.float64)
+        s = tensor_pass.read(m.keys["weight_s"]).to(torch.float64)
+        entry["zero_fraction"] = float((q == 0).double().mean())
+        if insp.fck is not None:
+            w = insp.fck.tensor(f"{m.module}.weight")
+            tensor_pass.checks.append({"module": m.module, **inference.compare(q * s, w)})
+
+
+def _dummy_pair(tmp: Path) -> tuple[Path, Path]:
+    fck = Checkpoint(make_fixture("fp", tmp / "src", dims=DIMS))
+    quant, floats = {k: fck.tensor(k) for k in fck.keys()}, {k: fck.tensor(k) for k in fck.keys()}
+    for module in fck.linear_shapes():
+        w = quant.pop(f"{module}.weight")
+        s = (w.abs().max() / 127).reshape(1)
+        quant[f"{module}.weight_q"] = torch.round(w / s).to(torch.int8)
+        quant[f"{module}.weight_s"] = s
+        floats[f"{module}.weight"] = (quant[f"{module}.weight_q"].double() * s.double()).float()
+    return write_checkpoint(tmp / "q", fck.config, quant), write_checkpoint(tmp / "fp", fck.config, floats)
+
+
+def test_a_registered_format_is_offered_without_editing_the_generic_code(tmp_path, monkeypatch):
+    q, fp = _dummy_pair(tmp_path)
+    _, report, _ = inspect_json(q)
+    assert report["format"] == "unknown"  # not registered: no format claims the tensors
+    assert any("neither a packed uint8 weight, int8x streams, nor a float weight" in w for w in report["warnings"])
+
+    monkeypatch.setattr(registry, "FORMATS", dict(registry.FORMATS))  # undone after the test
+    inference.register(_DummyFormat)
+    assert [f.quant_method for f in inference.registered()] == ["ternary", "int8x", "dummy"]
+    rc, report, err = inspect_json(q, "--against", fp)
+    assert report["format"] == "dummy" and report["quantization_config"] == _DummySpec().to_config()
+    assert report["key_sources"] == {"quant_method": "inferred", "ignore": "default"}
+    assert {m["kind"] for m in report["matrices"]} == {"dummy"} and report["summary"]["quantized_matrices"] == 7
+    v = report["verification"]
+    assert v["performed"] and v["passed"] and v["checked"] == 7 and v["max_abs_error"] == 0.0
+    roles = {t["name"]: t["role"] for t in report["tensors"]}
+    assert roles["model.layers.0.mlp.up_proj.weight_q"] == "dummy codes"
+    assert roles["model.layers.0.mlp.up_proj.weight_s"] == "dummy scale"
+    # config.json declares nothing: the generic check names the format it found
+    assert rc == 1 and report["disagreements"] == [{"key": "quant_method", "declared": None, "data": "dummy",
+                                                    "explicit": False}]
+    assert "stored as dummy" in err
+    rc, text, _ = run_cli(q, "--against", fp)
+    rows = [line.split() for line in text.split("QUANTIZED MATRICES")[1].split("\n\n")[0].splitlines()[3:]]
+    assert [r[0] for r in rows] == list(Checkpoint(q).linear_shapes())
+
+    ck = Checkpoint(q)  # a projection no format claims: the message lists every registered one
+    tensors = {k: ck.tensor(k) for k in ck.keys() if not k.startswith("model.layers.0.mlp.down_proj.")}
+    tensors["model.layers.0.mlp.down_proj.weight"] = torch.zeros(3, 5)
+    _, report, _ = inspect_json(write_checkpoint(tmp_path / "odd", ck.config, tensors))
+    assert report["format"] == "dummy"
+    assert any("neither a packed uint8 weight, int8x streams, int8 dummy codes, nor a float weight of shape "
+               "(64, 128)" in w for w in report["warnings"])
+

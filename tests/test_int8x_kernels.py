@@ -277,30 +277,6 @@ def test_compiles_without_graph_breaks():
     assert_rel_close(f(x), 2 * _linear_ref(x, w64), LINEAR_BOUND[torch.float32], "compiled int8x_linear")
 
 
-def test_backend_selection(monkeypatch):
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    gpu_default = "cuda" if kc.available() else "triton"
-    monkeypatch.delenv(ops.ENV_BACKEND, raising=False)
-    assert ops.resolve_backend(None, cpu) == "torch"
-    assert ops.resolve_backend(None, cuda) == gpu_default, "auto: cuda where nvcc builds it, else triton"
-    assert ops.resolve_backend("auto", cpu) == "torch"
-    assert ops.resolve_backend("cuda", cuda) == "cuda"
-    monkeypatch.setenv(ops.ENV_BACKEND, "triton")
-    assert ops.resolve_backend(None, cpu) == "triton"
-    assert ops.resolve_backend("torch", cpu) == "torch", "the argument must win over the environment"
-    monkeypatch.setenv(ops.ENV_BACKEND, "auto")
-    assert ops.resolve_backend(None, cpu) == "torch"
-    assert ops.resolve_backend(None, cuda) == gpu_default
-    monkeypatch.setenv(ops.ENV_BACKEND, "cuda")
-    with pytest.raises(ValueError, match="'cuda' needs CUDA tensors, got cpu"):
-        ops.resolve_backend(None, cpu)
-    monkeypatch.setenv(ops.ENV_BACKEND, "numpy")
-    with pytest.raises(ValueError, match="PARITY_KERNEL_BACKEND = 'numpy'"):
-        ops.resolve_backend(None, cpu)
-    with pytest.raises(ValueError, match="backend argument = 'numpy'"):
-        ops.resolve_backend("numpy", cpu)
-
-
 def _ones_2x40() -> tuple[dict, Int8xSpec, list[torch.Tensor]]:
     """A 2 x 40 all-ones int8x weight (block size 32) on the CPU: encoding, spec and the op's stream tensors."""
     enc, spec, _ = _reference(torch.ones(2, 40, dtype=torch.int8), 32)

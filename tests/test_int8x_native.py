@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from tests.test_int8x_kernels import (DTYPES, LINEAR_BOUND, SETTINGS, TRITON_DEVICE, activations,  # noqa: I001
                                       assert_rel_close, needs_triton, poisoned_allocations, requires_gpu)
+from vllm_parity.serving import choose
 from vllm_parity.serving import int8x_native as nv
 from vllm_parity.reference.formats import int8x
 
@@ -86,27 +87,21 @@ def test_fits_only_when_no_larger_than_the_streams():
                                         "weight_b1_blk", "weight_b2_blk"))
 
 
-def test_layout_choice_and_backend(monkeypatch):
+def test_layout_choice(monkeypatch):
     g = torch.Generator().manual_seed(0)
     narrow = (torch.randn(64, 512, generator=g) * 2.5).round().clamp(-127, 127).to(torch.int8)
     wide = (torch.randn(64, 512, generator=g) * 30).round().clamp(-127, 127).to(torch.int8)
     enc_n, enc_w = int8x.encode(narrow, 0.01), int8x.encode(wide, 0.01)
-    monkeypatch.delenv(nv.ENV_LAYOUT, raising=False)
+    monkeypatch.delenv(choose.ENV_INT8X_LAYOUT, raising=False)
     assert torch.equal(nv.unpack(nv.for_serving(narrow, enc_n)), narrow), "auto: native where it fits"
     assert nv.for_serving(wide, enc_w) is None, "auto: the streams where the native layout is larger"
-    monkeypatch.setenv(nv.ENV_LAYOUT, "native")
+    monkeypatch.setenv(choose.ENV_INT8X_LAYOUT, "native")
     assert nv.for_serving(wide, enc_w) is not None
-    monkeypatch.setenv(nv.ENV_LAYOUT, "streams")
+    monkeypatch.setenv(choose.ENV_INT8X_LAYOUT, "streams")
     assert nv.for_serving(narrow, enc_n) is None
-    monkeypatch.setenv(nv.ENV_LAYOUT, "dense")
+    monkeypatch.setenv(choose.ENV_INT8X_LAYOUT, "dense")
     with pytest.raises(ValueError, match="PARITY_INT8X_LAYOUT = 'dense'"):
         nv.for_serving(narrow, enc_n)
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.delenv("PARITY_KERNEL_BACKEND", raising=False)
-    assert (nv.backend_for(cpu), nv.backend_for(cuda)) == ("torch", "triton")
-    assert nv.backend_for(cuda, "cuda") == "triton" and nv.backend_for(cuda, "torch") == "torch"
-    monkeypatch.setenv("PARITY_KERNEL_BACKEND", "triton")
-    assert nv.backend_for(cpu) == "triton"
 
 
 def _backends() -> list:

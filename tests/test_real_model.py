@@ -105,13 +105,13 @@ def test_the_fault_zoo_is_found_on_the_real_model(pytester, monkeypatch, prompts
                    report_dir=str(tmp_path / "cal-report"), snapshot_dir=str(tmp_path / "snap"), root=str(tmp_path))
     session = ParitySession(opts)
     try:
-        results = session.run()
+        results = session.judgement().taps
     finally:
         session.finish()
-    assert all(r.passed for r in results.values()), [r.message for r in results.values() if not r.passed][:3]
+    assert all(r.passed for r in results), [r.message for r in results if not r.passed][:3]
     table = load(calibrated)
     ref, cand, iso = (DumpReader(dumps / side) for side in ("reference", "candidate", "candidate-isolated"))
     taps = [t for t in ref.taps() if t != "logits"]
     judged = compare_dumps(ref, cand, taps, table, LAYERS)
-    merge_isolated(judged, compare_dumps(ref, iso, taps, table, LAYERS))
+    judged = merge_isolated(judged, compare_dumps(ref, iso, taps, table, LAYERS))
     assert [r.name for r in judged if r.role == "source" and not r.name.endswith(".input")] == sources

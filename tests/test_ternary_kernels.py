@@ -34,7 +34,7 @@ from vllm_parity.errors import DecodeError, FormatError
 from vllm_parity.reference.formats.ternary import PRESETS, TernarySpec
 from vllm_parity.reference.formats.ternary import decode, pack_codes, unpack_values
 
-from vllm_parity.serving import ternary_cuda, ternary_ops, ternary_triton
+from vllm_parity.serving import choose, ternary_cuda, ternary_ops, ternary_triton
 from vllm_parity.serving.ternary_repack import (NativeTernary, native_weight, pack_native, pack_tiles, repack, tiles_from_native,
                                     tiles_shape, unpack_tiles)
 
@@ -241,12 +241,12 @@ class poisoned_empty:
 
 
 def eligible(kernel: str, case: dict) -> bool:
-    """Whether a kernel takes this case (the others are chosen for it by ternary_ops.select_kernel)."""
+    """Whether a kernel takes this case (the others are chosen for it by choose.ternary_kernel)."""
     half = case["dtype"] in (torch.float16, torch.bfloat16)
     spec = case["spec"]
     if kernel == "cuda_mma":
         group = spec.group_size if spec.scale_granularity == "group" and spec.group_size < case["k"] else 0
-        return ternary_ops.mma_eligible(case["dtype"], group, True)
+        return choose.ternary_mma_eligible(case["dtype"], group, True)
     if kernel == "cuda_dequant":
         return half and spec.activation_quant is None
     return True
@@ -277,7 +277,7 @@ def run_case(case: dict, kernel: str, device: str) -> None:
 
 def out_of_dequant(case: dict) -> bool:
     """The public entry point (3-D cases) may itself pick the dense-weight kernel."""
-    return (case["layout"] == "3d" and case["m"] >= ternary_ops.DEQUANT_MIN_M and CUDA
+    return (case["layout"] == "3d" and case["m"] >= choose.DEQUANT_MIN_M and CUDA
             and eligible("cuda_dequant", case))
 
 
@@ -409,38 +409,12 @@ def test_public_entry_point_backends(monkeypatch):
     monkeypatch.setenv("PARITY_KERNEL_BACKEND", "bogus")
     with pytest.raises(ValueError, match="unknown ternary backend 'bogus'"):
         ternary_ops.ternary_linear(built["x"], built["native"])
-    monkeypatch.delenv("PARITY_KERNEL_BACKEND")
-    assert ternary_ops.resolve_backend(None, torch.device("cpu")) == "torch"
+    monkeypatch.delenv("PARITY_KERNEL_BACKEND")  # the backend decisions themselves: tests/test_choose.py
     with pytest.raises(ValueError, match="expects 32"):
         ternary_ops.ternary_linear(torch.zeros(2, 31), built["native"])
     out = ternary_ops.ternary_linear(built["x"].reshape(2, 1, 32), built["native"])
     assert out.shape == (2, 1, 12), f"leading dims not kept: {tuple(out.shape)}"
     check(out.reshape(2, 12), built, case, "public entry point, default backend")
-
-
-def test_kernel_choice_is_by_shape_only():
-    assert ternary_ops.select_kernel("torch", 1) == "torch"
-    small = ternary_ops.select_kernel("triton", 1)
-    large = ternary_ops.select_kernel("triton", 4096)
-    assert large == "triton_mm", f"large M must take the tensor-core kernel, got {large}"
-    assert small in ("triton_gemv", "triton_mm")
-    half = torch.float16
-    assert ternary_ops.select_kernel("cuda", 1) == "cuda_vec"
-    assert ternary_ops.select_kernel("cuda", 1, half, 0, tiled=True) == "cuda_mma"
-    assert ternary_ops.select_kernel("cuda", 1, half, 0, tiled=False) == "cuda_vec"
-    assert ternary_ops.select_kernel("cuda", 16, torch.bfloat16, 256, tiled=True) == "cuda_mma"
-    assert ternary_ops.select_kernel("cuda", 16, half, 64, tiled=True) == "cuda_vec", "group 64 is not mma's"
-    assert ternary_ops.select_kernel("cuda", 8, torch.float32, 0, tiled=True) == "cuda_vec"
-    assert ternary_ops.select_kernel("cuda", 4096, half) == "cuda_dequant"
-    assert ternary_ops.select_kernel("cuda", 4096, half, act_quant=True) == "cuda_vec"
-    assert ternary_ops.select_kernel("auto", 4096) == "triton_mm"
-    if ternary_cuda.available():
-        assert ternary_ops.select_kernel("auto", 1) == "cuda_vec"
-        assert ternary_ops.select_kernel("auto", 1, half, 0, tiled=True) == "cuda_mma"
-        assert ternary_ops.select_kernel("auto", 4096, half) == "cuda_dequant"
-    else:
-        assert ternary_ops.select_kernel("auto", 1, half, 0, tiled=True) == small
-        assert ternary_ops.select_kernel("auto", 4096, half) == "triton_mm"
 
 
 def test_cuda_module_imports_without_compiling():

@@ -4,8 +4,6 @@ where it fits, else the streams."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
@@ -13,18 +11,13 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_parity.errors import CheckpointError, DecodeError, FormatError
 from vllm_parity.reference.formats.int8x import Int8xSpec
-from vllm_parity.serving import int8x_native, int8x_ops
+from vllm_parity.serving import choose, int8x_native, int8x_ops
 from vllm_parity.serving.int8x_load import DTYPES as INT8X_DTYPES
 from vllm_parity.serving.int8x_load import decode_streams
 from vllm_parity.serving.vllm.common import LoadTracker, ParityQuantConfig, Shard, _file_of, _release, \
     _shard_index, layer_shards
 
 NATIVE_TENSORS = ("codes", "row_ptr", "outliers", "scale")
-
-
-def int8x_backend(device: torch.device) -> str:
-    """``PARITY_KERNEL_BACKEND`` when set (shared with the ternary op), else int8x's own default for the device."""
-    return int8x_ops.resolve_backend(os.environ.get(int8x_ops.ENV_BACKEND) or "auto", device)
 
 
 def _fixed_shape(suffix: str, n: int, k: int, spec: Int8xSpec) -> tuple[int, ...] | None:
@@ -45,12 +38,10 @@ class Int8xLinearMethod(LinearMethodBase):
     per container. Tensor parallelism is refused: a shard would have to be decoded and re-encoded.
     At load each container is repacked into the native layout (4-bit codes + outliers,
     kernels/int8x_native.py) where that takes no more memory, else served from its streams
-    (``PARITY_INT8X_LAYOUT`` overrides).
+    (``PARITY_INT8X_LAYOUT`` overrides). Backends and kernels are chosen by ``vllm_parity.serving.choose``:
+    for many rows of x (``choose.int8x_uses_gemm``) the streams are decoded once and a dense GEMM runs, else
+    the fused decode-GEMV op; weights in the native layout go through its op, which decides likewise.
     """
-
-    # Above this many rows of x, decode once and run a dense GEMM; below, the fused decode-GEMV op.
-    # (Weights served in the native layout, kernels/int8x_native.py, go through its op, which decides.)
-    GEMM_MIN_M = 16
 
     def __init__(self, spec: Int8xSpec, modules: list[str]):
         self.spec = spec
@@ -107,8 +98,8 @@ class Int8xLinearMethod(LinearMethodBase):
         layer.parity_shapes = [(s.n, s.k) for s in layer.parity_tracker.shards]
         layer.parity_n = sum(n for n, _ in layer.parity_shapes)
         device = layer.parity_streams[0]["weight_b1"].device
-        layer.parity_backend = int8x_backend(device)
-        layer.parity_native_backend = int8x_native.backend_for(device)
+        layer.parity_backend = choose.int8x_vllm_backend(device)
+        layer.parity_native_backend = choose.int8x_native_backend(None, device)
         layer.parity_native = [native is not None for native in natives]
         _release(layer, Int8xSpec.suffixes)
         # Buffers, so that moving the module moves the weights with it; the load-time dicts go.
@@ -124,7 +115,7 @@ class Int8xLinearMethod(LinearMethodBase):
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        gemm = x2.shape[0] > self.GEMM_MIN_M
+        gemm = choose.int8x_uses_gemm(x2.shape[0])
         outs = []
         for i, (n, k) in enumerate(layer.parity_shapes):
             if layer.parity_native[i]:

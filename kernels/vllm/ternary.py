@@ -25,7 +25,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_parity.errors import FormatError
 from vllm_parity.reference.formats.ternary import TernarySpec
-from vllm_parity.serving import ternary_ops
+from vllm_parity.serving import choose, ternary_ops
 from vllm_parity.serving.vllm.common import FLOAT_DTYPES, LoadTracker, ParityQuantConfig, Shard, _release, layer_shards
 
 
@@ -144,7 +144,7 @@ class TernaryLinearMethod(LinearMethodBase):
         layer.register_buffer("parity_qweight", native.qweight, persistent=False)
         layer.register_buffer("parity_scale", native.scale, persistent=False)
         layer.parity_group_size = native.group_size
-        layer.parity_backend = ternary_ops.resolve_backend(None, packed.device)
+        layer.parity_backend = choose.ternary_backend(None, packed.device)
         # The tensor-core kernel's tiled copy (2 more bits per weight), where a CUDA kernel may run.
         tiles = native.with_tiles().tiles if layer.parity_backend in ("cuda", "auto") else None
         layer.register_buffer("parity_tiles", tiles, persistent=False)
@@ -157,8 +157,8 @@ class TernaryLinearMethod(LinearMethodBase):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, layer.parity_k)
         # The kernel for this many rows, chosen on shapes, dtype and flags (Python values), never on tensor values.
-        kernel = ternary_ops.select_kernel(layer.parity_backend, x2.shape[0], x2.dtype, layer.parity_group_size,
-                                           layer.parity_tiles is not None, layer.parity_act_quant)
+        kernel = choose.ternary_kernel(layer.parity_backend, x2.shape[0], x2.dtype, layer.parity_group_size,
+                                       layer.parity_tiles is not None, layer.parity_act_quant)
         if layer.parity_global_act_quant:
             xf = x2.to(torch.float32)
             amax = tensor_model_parallel_all_gather(xf.abs().amax(dim=-1, keepdim=True)).amax(dim=-1, keepdim=True)

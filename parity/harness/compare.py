@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ from vllm_parity.harness.tolerances import ToleranceTable
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-@dataclass
+@dataclass(frozen=True)
 class TapResult:
     name: str
     level: str
@@ -95,58 +96,60 @@ def _looseness(tol: Tolerance) -> tuple[float, float, float]:
 def compare_dumps(ref: DumpReader, cand: DumpReader, taps: list[str], table: ToleranceTable,
                   num_layers: int | None = None, arch: Architecture | None = None) -> list[TapResult]:
     results = [compare_tap(ref, cand, t, table) for t in taps]
-    apply_growth(results, table)
-    attribute(results, num_layers, arch)
-    return results
+    return attribute(apply_growth(results, table), num_layers, arch)
 
 
-def merge_isolated(propagated: list[TapResult], isolated: list[TapResult]) -> None:
+def merge_isolated(propagated: list[TapResult], isolated: list[TapResult]) -> list[TapResult]:
     """Roles from both runs: a tap that fails with every layer fed the reference's input (and whose
     inputs pass there) is a source; one that fails only when errors propagate inherits them."""
     iso = {r.name: r for r in isolated}
+    merged = []
     for r in propagated:
         i = iso.get(r.name)
-        r.isolated = i
         if i is None:
-            continue
-        if i.role == "source":
-            r.role, r.fed_by = "source", []
+            merged.append(dataclasses.replace(r, isolated=None))
+        elif i.role == "source":
+            merged.append(dataclasses.replace(r, isolated=i, role="source", fed_by=[]))
         elif not r.passed or not i.passed:
-            r.role = "inherited"
-            r.fed_by = r.fed_by or i.fed_by
+            merged.append(dataclasses.replace(r, isolated=i, role="inherited", fed_by=r.fed_by or i.fed_by))
         else:
-            r.role = "pass"
+            merged.append(dataclasses.replace(r, isolated=i, role="pass"))
+    return merged
 
 
 GROWTH_FLOOR = 0.01  # of the tolerance: below it an error is rounding noise, and growth from it no jump
 
 
-def apply_growth(results: list[TapResult], table: ToleranceTable) -> None:
+def apply_growth(results: list[TapResult], table: ToleranceTable) -> list[TapResult]:
     """Flag a layer output whose error jumps by more than max_growth x the previous layer's.
 
     The error is the per-token relative one (a layer that adds a massive activation grows the absolute
     error with the signal, not the relative one); tables judged elementwise only keep the absolute one.
     """
-    prev: TapResult | None = None
+    out, prev = [], None
     for r in results:
         if r.level != LEVEL_BLOCK or not r.name.endswith(".output") or r.metrics is None:
+            out.append(r)
             continue
         if prev is not None and prev.metrics is not None:
             relative = not r.tolerance.elementwise_only
             err, before = ((r.metrics.token_rel, prev.metrics.token_rel) if relative
                            else (r.metrics.max_abs, prev.metrics.max_abs))
             bound = r.tolerance.token_rtol if relative else r.tolerance.atol
-            r.growth = err / max(before, GROWTH_FLOOR * bound, 1e-300)
-            if r.growth > table.max_growth and r.passed:
+            growth = err / max(before, GROWTH_FLOOR * bound, 1e-300)
+            r = dataclasses.replace(r, growth=growth)
+            if growth > table.max_growth and r.passed:
                 what = "token relative error" if relative else "error"
-                r.passed = False
-                r.message = (f"{r.name}: {what} grew {r.growth:.1f}x over {prev.name} "
-                             f"({before:.3g} -> {err:.3g}), above max_growth "
-                             f"{table.max_growth:g}, although inside tolerance")
+                r = dataclasses.replace(r, passed=False, message=(
+                    f"{r.name}: {what} grew {growth:.1f}x over {prev.name} ({before:.3g} -> {err:.3g}), above "
+                    f"max_growth {table.max_growth:g}, although inside tolerance"))
+        out.append(r)
         prev = r
+    return out
 
 
-def attribute(results: list[TapResult], num_layers: int | None = None, arch: Architecture | None = None) -> None:
+def attribute(results: list[TapResult], num_layers: int | None = None,
+              arch: Architecture | None = None) -> list[TapResult]:
     """A failing tap whose inputs all pass is a source; one with a failing input inherits from it.
 
     Inputs follow the architecture's dataflow (``vllm_parity.harness.taps.inputs_of``); an input that was not
@@ -155,12 +158,12 @@ def attribute(results: list[TapResult], num_layers: int | None = None, arch: Arc
     layers = num_layers if num_layers is not None else 1 + max((r.layer for r in results if r.layer is not None),
                                                                default=-1)
     failed = {r.name for r in results if not r.passed}
+    out = []
     for r in results:
-        if r.passed:
-            r.role, r.fed_by = "pass", []
-            continue
-        bad_inputs = [t for t in inputs_of(r.name, layers, arch) if t in failed]
-        r.role, r.fed_by = ("inherited", bad_inputs) if bad_inputs else ("source", [])
+        bad = [] if r.passed else [t for t in inputs_of(r.name, layers, arch) if t in failed]
+        role = "pass" if r.passed else "inherited" if bad else "source"
+        out.append(dataclasses.replace(r, role=role, fed_by=bad))
+    return out
 
 
 def first_divergence(results: list[TapResult]) -> TapResult | None:

@@ -31,14 +31,14 @@ class ParityItem(pytest.Item):
     def runtest(self) -> None:
         session = self.config._parity_state.parity()
         if self.check in MODEL_CHECKS:
-            result = getattr(session, self.check)()
+            result = session.check(self.check)
             for k in ("agree", "total", "k", "positions", "max_abs"):
                 if k in result:
                     self.user_properties.append((k, result[k]))
             if not result["passed"]:
                 raise TapFailure(_describe_check(self.check, result))
             return
-        r = session.run()[self.check]
+        r = session.judgement()[self.check]
         if r.isolated is not None:  # isolated mode: the tap's own error decides
             r = _isolated_view(r)
         if r.metrics is not None:
@@ -66,9 +66,9 @@ class ParityItem(pytest.Item):
 
 def _debug_source(config: pytest.Config, session: ParitySession, result) -> None:
     """The first source of a divergence, both tensors (all prompts' rows) and their diff in reach."""
-    ref, cand = session.stacked_pair(result.name)
+    ref, cand = session.capture().pair(result.name)
     diff = cand - ref
-    hints = [h for h in session.hints if h["tap"] == result.name]
+    hints = [h.as_dict() for h in session.diagnosis().of(result.name)]
     capture = config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():
         print(f"\nparity: first source {result.name}: {result.message}\n"

@@ -15,7 +15,7 @@ import pytest
 
 from vllm_parity.harness import summary
 from vllm_parity.harness.items import MODEL_CHECKS, ParityCollector, ParityItem
-from vllm_parity.harness.session import CANDIDATES, LEVELS, Options, ParitySession
+from vllm_parity.harness.session import CANDIDATES, LEVELS, Finished, Options, ParitySession
 from vllm_parity.harness.taps import level_of
 
 # Every option once: (flag, the Options field it sets, or None for the plugin's own; addoption's arguments).
@@ -102,6 +102,7 @@ class _State:
     def __init__(self, config: pytest.Config):
         self.config = config
         self.session: ParitySession | None = None
+        self.finished: Finished | None = None
         self.failures: list[tuple[str, str]] = []
         self.debugged = False  # --parity-pdb stops at the first source only
 
@@ -174,7 +175,7 @@ def pytest_runtest_makereport(item: pytest.Item, call):
 def pytest_sessionfinish(session: pytest.Session) -> None:
     state: _State | None = session.config._parity_state
     if state is not None and state.session is not None:
-        state.session.finish()
+        state.finished = state.session.finish()
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
@@ -182,7 +183,7 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     if state is None:
         return
     terminalreporter.section("parity")
-    for text, markup in summary.lines(state.session, state.failures):
+    for text, markup in summary.lines(state.finished, state.failures):
         terminalreporter.write_line(text, **markup)
 
 
@@ -197,11 +198,11 @@ def parity_run(pytestconfig) -> ParitySession:
 
 @pytest.fixture(scope="session")
 def parity_reference(parity_run):
-    parity_run.run()
-    return parity_run.reference
+    """The reference's dump (``DumpReader``)."""
+    return parity_run.capture().reference
 
 
 @pytest.fixture(scope="session")
 def parity_candidate(parity_run):
-    parity_run.run()
-    return parity_run.candidate
+    """The candidate's dump (``DumpReader``)."""
+    return parity_run.capture().candidate

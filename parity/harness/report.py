@@ -83,11 +83,12 @@ def render(run_dir: str | Path) -> None:
     (run_dir / "report.html").write_text(html_page(report, heatmap))
 
 
-def _fmt(v: Any) -> str:
+def fmt(v: Any, none: str = "—", spec: str = ".3g") -> str:
+    """A report's value as text: floats to ``spec``, None as ``none``."""
     if v is None:
-        return "—"
+        return none
     if isinstance(v, float):
-        return f"{v:.3g}"
+        return format(v, spec)
     return str(v)
 
 
@@ -113,10 +114,10 @@ def markdown(report: dict) -> str:
         iso = (t.get("isolated") or {}).get("metrics") or {}
         result = "pass" if t["passed"] and t.get("role", "pass") == "pass" else t.get("role", "fail")
         tol = t["tolerance"]
-        lines.append(f"| {t['name']} | {t['level']} | {_fmt(m.get('token_rel'))} | {_fmt(tol.get('token_rtol'))} | "
-                     f"{_fmt(mt.get('row_rtol'))} | {_fmt(tol.get('row_rtol'))} | {_fmt(m.get('max_abs'))} | "
-                     f"{_fmt(iso.get('max_abs'))} | {_fmt(m.get('cosine'))} | {_fmt(m.get('sqnr_db'))} | "
-                     f"{_fmt(m.get('mismatch_frac'))} | {_fmt(t.get('margin'))} | {_fmt(t.get('growth'))} | {result} |")
+        lines.append(f"| {t['name']} | {t['level']} | {fmt(m.get('token_rel'))} | {fmt(tol.get('token_rtol'))} | "
+                     f"{fmt(mt.get('row_rtol'))} | {fmt(tol.get('row_rtol'))} | {fmt(m.get('max_abs'))} | "
+                     f"{fmt(iso.get('max_abs'))} | {fmt(m.get('cosine'))} | {fmt(m.get('sqnr_db'))} | "
+                     f"{fmt(m.get('mismatch_frac'))} | {fmt(t.get('margin'))} | {fmt(t.get('growth'))} | {result} |")
     return "\n".join(lines) + "\n"
 
 
@@ -167,7 +168,7 @@ def html_page(report: dict, heatmap: dict | None) -> str:
         mt = t.get("min_tolerance") or {}
         cls = "ok" if t["passed"] else "bad"
         iso = (t.get("isolated") or {}).get("metrics") or {}
-        rows.append("<tr class='{}'>{}</tr>".format(cls, "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in (
+        rows.append("<tr class='{}'>{}</tr>".format(cls, "".join(f"<td>{html.escape(fmt(v))}</td>" for v in (
             t["name"], t["level"], m.get("token_rel"), t["tolerance"].get("token_rtol"), mt.get("row_rtol"),
             t["tolerance"].get("row_rtol"), m.get("max_abs"), iso.get("max_abs"), m.get("max_rel"), m.get("mean_abs"),
             m.get("cosine"), m.get("sqnr_db"), m.get("mismatch_frac"), t["tolerance"]["atol"], t["tolerance"]["rtol"],

@@ -1,7 +1,8 @@
-"""One parity run: the model, the prompts, both sides' dumps, the comparison, the report.
+"""One parity run: its options, the model, the prompts, and its stages.
 
-Everything is computed lazily and once: the pytest items of a session share one ``ParitySession``
-(and so one vLLM engine), and the dumps are made the first time an item asks for a result.
+Each stage runs lazily and once, and returns a record (``vllm_parity.harness.records``): the pytest items of
+a session share one ``ParitySession`` (and so one vLLM engine), and the dumps are made the first time an
+item asks for a result.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from typing import Any
 import torch
 
 from vllm_parity.fixtures.prompts import DEFAULT, load_prompts, prompts_sha256
-from vllm_parity.harness import report as report_mod
-from vllm_parity.harness import snapshots
-from vllm_parity.harness.compare import TapResult, compare_dumps, first_divergence, merge_isolated
+from vllm_parity.harness import stages
 from vllm_parity.harness.dumps import DumpReader
+from vllm_parity.harness.records import Capture, Diagnosis, Judgement, RunRecord
+from vllm_parity.harness.stages import Written
 from vllm_parity.harness.taps import canonical_order, level_of
 from vllm_parity.harness.tolerances import ToleranceTable
 from vllm_parity.architectures import of_config
@@ -61,7 +62,20 @@ class Options:
     root: str = "."
 
 
+@dataclass(frozen=True)
+class Finished:
+    """How a run ended: its record (None when it failed before comparing), the error that stopped it,
+    where the record was written."""
+
+    record: RunRecord | None = None
+    error: BaseException | None = None
+    written: Written | None = None
+
+
 class ParitySession:
+    """One run's inputs, and its stages run lazily and once: :meth:`capture`, :meth:`judgement`,
+    :meth:`diagnosis`, :meth:`check`, :meth:`record`, each returning a record (``vllm_parity.harness.records``)."""
+
     def __init__(self, opts: Options):
         self.opts = opts
         self.id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
@@ -73,17 +87,18 @@ class ParitySession:
         self.prompts = load_prompts(opts.prompts or DEFAULT, vocab_size=int(self.ckpt.config["vocab_size"]))
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._dump_root: Path | None = None
-        self.results: dict[str, TapResult] | None = None
-        self.error: BaseException | None = None
-        self.extras: dict[str, dict[str, Any]] = {}
         self._llm = None
-        self.timings: dict[str, float] = {}
-        self.report_dir: Path | None = None
-        self.snapshot: Path | None = None
-        self.hints: list[dict] = []
-        self.golden = None
-        self.golden_error: Exception | None = None
-        self._reference_model = None
+        self._kmodel = None
+        self._seconds: dict[str, float] = {}  # each step's time, for the record's timings
+        # The stages' records, each made once.
+        self._capture: Capture | None = None
+        self._judgement: Judgement | None = None
+        self._diagnosis: Diagnosis | None = None
+        self._calibration: tuple[ToleranceTable, dict[str, Any]] | None = None
+        self._checks: dict[str, dict[str, Any]] = {}
+        self._error: BaseException | None = None
+        self._golden = None
+        self._golden_error: Exception | None = None
         self._reference_tokens: list[list[int]] | None = None
 
     # -- what runs ------------------------------------------------------------------------------
@@ -107,6 +122,11 @@ class ParitySession:
     @property
     def format(self) -> str:
         return self.ckpt.spec.quant_method if self.ckpt.spec is not None else "fp"
+
+    @property
+    def tolerances(self) -> ToleranceTable:
+        """The table the run judges with: the calibrated one, when this run calibrated."""
+        return self._calibration[0] if self._calibration is not None else self.opts.tolerances
 
     def dump_root(self) -> Path:
         if self._dump_root is None:
@@ -144,7 +164,32 @@ class ParitySession:
     def wanted(self, tap: str) -> bool:
         return tap in set(self.capture_taps())
 
-    # -- the two sides --------------------------------------------------------------------------
+    # -- capture ----------------------------------------------------------------------------------
+
+    def capture(self) -> Capture:
+        """Both sides' dumps (once); with ``--parity-calibrate`` the tolerances are measured here too."""
+        if self._capture is None:
+            self._capture = self._remembered(self._make_capture)
+        return self._capture
+
+    def _make_capture(self) -> Capture:
+        reference = self.acquire_reference()
+        if self.opts.compiled:
+            return Capture(reference, seconds=self._seconds)
+        candidate = self.candidate_dump()
+        if self.opts.calibrate:
+            self._calibration = self.calibrate(reference, candidate)
+        isolated = self.candidate_dump(isolated=True, feed=reference) if self.opts.mode == "isolated" else None
+        return Capture(reference, candidate, isolated, self._seconds)
+
+    def _remembered(self, stage):
+        """A stage's record; an error is kept and raised again for every item that needs it."""
+        if self._error is None:
+            try:
+                return stage()
+            except BaseException as exc:  # noqa: BLE001 - reported by every item that needs it
+                self._error = exc
+        raise self._error
 
     def reference_dump(self, variant: str | None = None) -> DumpReader:
         """The fp32 reference's dump; ``variant`` (calibration) is one of ``vllm_parity.harness.calibrate.VARIANTS``:
@@ -167,33 +212,28 @@ class ParitySession:
                                           {**self.meta("reference"), "dtype": str(dtype).removeprefix("torch."),
                                            **({"variant": variant} if variant else {})},
                                           wanted=self.wanted)
-        if variant is None:
-            self._reference_model = model
-            if self.opts.level == "model":
-                self._reference_tokens = self.reference_greedy()
-        self._reference_model = None  # the dump holds what later checks read: free the weights
-        del model
-        self.timings[f"{name.replace('-', '_')}_s"] = time.perf_counter() - t0
+        if variant is None and self.opts.level == "model":
+            self._reference_tokens = [_greedy(model, ids, self.opts.greedy_tokens) for ids in self.prompts]
+        del model  # the dump holds what later checks read: free the weights
+        self._seconds[f"{name.replace('-', '_')}_s"] = time.perf_counter() - t0
         return dump
 
-    def calibrate(self) -> None:
-        """Measure every tap's spread between correct implementations and make the tolerances from it
-        this run's table."""
+    def calibrate(self, reference: DumpReader, candidate: DumpReader) -> tuple[ToleranceTable, dict[str, Any]]:
+        """Every tap's spread between correct implementations, and the tolerance table made from it (written
+        to ``--parity-calibrate``), with the check that reports it."""
         from vllm_parity.harness import calibrate
 
         t0 = time.perf_counter()
         variants = {name: self.reference_dump(variant=name) for name in calibrate.VARIANTS}
         again = self.candidate_dump(repeat=True)
-        table, notes = calibrate.calibrate(self.ckpt, self.arch, self.capture_taps(), self.reference, variants, self.candidate,
+        table, notes = calibrate.calibrate(self.ckpt, self.arch, self.capture_taps(), reference, variants, candidate,
                                            again, headroom=self.opts.headroom,
                                            max_growth=self.opts.tolerances.max_growth)
         calibrate.write(table, notes, self.opts.calibrate, self.opts.headroom)
-        self.opts.tolerances = table
         widest = dict(collections.Counter(n["widest"] for n in notes.values()))
-        self.extras["calibration"] = {"passed": True, "file": str(self.opts.calibrate),
-                                      "capped": sorted(t for t, n in notes.items() if n["capped"]),
-                                      "widest_spread": widest}
-        self.timings["calibrate_s"] = time.perf_counter() - t0
+        self._seconds["calibrate_s"] = time.perf_counter() - t0
+        return table, {"passed": True, "file": str(self.opts.calibrate),
+                       "capped": sorted(t for t, n in notes.items() if n["capped"]), "widest_spread": widest}
 
     def llm(self):
         if self._llm is None:
@@ -206,7 +246,7 @@ class ParitySession:
                                  kv_cache_bytes=self.kv_cache_bytes(max_len * seqs),
                                  tensor_parallel_size=self.opts.tensor_parallel_size,
                                  enforce_eager=not self.opts.compiled)
-            self.timings["engine_start_s"] = time.perf_counter() - t0
+            self._seconds["engine_start_s"] = time.perf_counter() - t0
         return self._llm
 
     def kv_cache_bytes(self, tokens: int) -> int:
@@ -217,106 +257,59 @@ class ParitySession:
         per_token = 2 * self.num_layers * int(c.get("num_key_value_heads") or heads) * head_dim * 4
         return max(64 << 20, 2 * per_token * tokens)
 
-    def candidate_dump(self, isolated: bool = False, repeat: bool = False) -> DumpReader:
+    def candidate_dump(self, isolated: bool = False, repeat: bool = False,
+                       feed: DumpReader | None = None) -> DumpReader:
+        """The candidate's dump; ``isolated``: every layer fed ``feed``'s input for it."""
+        if self.opts.candidate not in CANDIDATES:
+            raise ValueError(f"unknown candidate {self.opts.candidate!r}; choose one of {CANDIDATES}")
         if self.opts.candidate == "vllm":
             self.llm()  # the engine's start is timed on its own
         t0 = time.perf_counter()
         out = self.dump_root() / ("candidate-isolated" if isolated else "candidate-repeat" if repeat else "candidate")
-        feed = self.reference if isolated else None
         meta = {**self.meta("candidate"), "mode": "isolated" if isolated else "propagated"}
         if self.opts.candidate == "vllm":
             from vllm_parity.harness import vllm_side
 
             dump = vllm_side.capture(self.llm(), self.arch, self.prompts, out, meta, taps=self.capture_taps(),
                                      isolate_from=feed)
-        elif self.opts.candidate == "kernels":
+        else:
             from vllm_parity.harness import reference_side
 
             dump = reference_side.capture(self._kernel_model(), self.arch, self.prompts, out, meta, wanted=self.wanted,
                                           isolate_from=feed)
-        else:
-            raise ValueError(f"unknown candidate {self.opts.candidate!r}; choose one of {CANDIDATES}")
-        self.timings[out.name.replace("-", "_") + "_s"] = time.perf_counter() - t0
+        self._seconds[out.name.replace("-", "_") + "_s"] = time.perf_counter() - t0
         return dump
 
-    def _compare(self, cand: DumpReader) -> list[TapResult]:
-        """Every captured tap, layer inputs included (they decide source against inherited)."""
-        return compare_dumps(self.reference, cand, self.capture_taps(), self.opts.tolerances, self.num_layers, self.arch)
+    # -- judge, diagnose ----------------------------------------------------------------------------
 
-    def run(self) -> dict[str, TapResult]:
-        """Make both dumps and compare every tap (once); an error is kept and re-raised per item."""
-        if self.results is None and self.error is None:
-            try:
-                self.reference = self.acquire_reference()
-                if self.opts.compiled:
-                    self.results = {}
-                    return self.results
-                self.candidate = self.candidate_dump()
-                if self.opts.calibrate:
-                    self.calibrate()
-                t0 = time.perf_counter()
-                results = self._compare(self.candidate)
-                if self.opts.mode == "isolated":
-                    self.candidate_isolated = self.candidate_dump(isolated=True)
-                    merge_isolated(results, self._compare(self.candidate_isolated))
-                self.timings["compare_s"] = time.perf_counter() - t0
-                shown = set(self.taps())
-                self.results = {r.name: r for r in results if r.name in shown}
-                t0 = time.perf_counter()
-                self.hints = self.diagnose()
-                self.timings["diagnose_s"] = time.perf_counter() - t0
-                if self.golden_error is not None:
-                    raise self.golden_error
-            except BaseException as exc:  # noqa: BLE001 - reported by every item that needs it
-                self.error = exc
-        if self.error is not None:
-            raise self.error
-        return self.results
+    def judgement(self) -> Judgement:
+        """A verdict per tap (once). A golden written by this run fails it after the comparison."""
+        if self._judgement is None and self._error is None:
+            capture = self.capture()
+            self._judgement = self._remembered(lambda: self._judge(capture))
+        if self._error is not None:
+            raise self._error
+        return self._judgement
 
-    def diagnose(self) -> list[dict]:
-        """Hints for every source of a divergence, and for drift across the layers' outputs."""
-        from vllm_parity.harness.diagnosis import (DRIFT_MIN_GROWTH, DRIFT_MIN_GROWTH_RELATIVE, LinearContext, diagnose_depth,
-                                      diagnose_tap)
-        from vllm_parity.reference.linear import ReferenceLinear, read_stored
 
-        cand = self.candidate_isolated if self.opts.mode == "isolated" else self.candidate
-        hints = []
-        for r in self.results.values():
-            if r.role != "source" or r.metrics is None:
-                continue
-            ref_t, cand_t = self.reference.stacked(r.name)[0], cand.stacked(r.name)[0]
-            linear = None
-            projection = self.arch.projection(r.name, self.ckpt.linear_shapes())
-            spec = self.ckpt.spec
-            if projection is not None and spec is not None and not spec.is_ignored(projection[0]):
-                module, input_tap = projection
-                n, k = self.ckpt.linear_shapes()[module]
-                ref_linear = ReferenceLinear(module, spec, read_stored(self.ckpt, module, spec, n, k), n, k)
-                linear = LinearContext(module, self.reference.stacked(input_tap)[0], ref_linear)
-            # What the candidate's side recorded of its own layout: fused layers and tensor-parallel spread.
-            group = [t for t in cand.manifest.get("fused", {}).get(r.name, []) if t in self.reference.taps()]
-            siblings = {t: (self.reference.stacked(t)[0], cand.stacked(t)[0]) for t in group} \
-                if len(group) > 1 else None
-            try:
-                found = diagnose_tap(r.name, ref_t, cand_t, linear, tp_size=self.opts.tensor_parallel_size,
-                                     siblings=siblings, parallel=cand.manifest.get("parallel", {}).get(r.name))
-            except ValueError as exc:  # a shape the diagnosis cannot read is not a reason to lose the run
-                found = []
-                self.extras.setdefault("diagnosis_errors", {"passed": True, "errors": []})["errors"].append(
-                    f"{r.name}: {exc}")
-            hints += [h.as_dict() for h in found]
-        outputs = [r for r in self.results.values() if r.name.endswith(".output") and r.metrics is not None]
-        if outputs:
-            tol = outputs[-1].tolerance
-            if tol.elementwise_only:
-                errors, bound = [(r.name, r.metrics.max_abs) for r in outputs], (tol.atol, "max_abs", "atol")
-                growth = DRIFT_MIN_GROWTH
-            else:
-                errors = [(r.name, r.metrics.token_rel) for r in outputs]
-                bound = (tol.token_rtol, "token relative error", "token_rtol")
-                growth = DRIFT_MIN_GROWTH_RELATIVE
-            hints += [h.as_dict() for h in diagnose_depth(errors, *bound, min_growth=growth)]
-        return hints
+    def _judge(self, capture: Capture) -> Judgement:
+        if self.opts.compiled:
+            judgement = Judgement([])
+        else:
+            judgement = stages.judge(capture, self.capture_taps(), self.taps(), self.tolerances, self.num_layers,
+                                     self.arch)
+            self._diagnosis = stages.diagnose(judgement, capture, self.ckpt, self.arch,
+                                              self.opts.tensor_parallel_size)
+        if self._golden_error is not None:
+            self._judgement = judgement  # the record still reports what was compared
+            raise self._golden_error
+        return judgement
+
+    def diagnosis(self) -> Diagnosis:
+        self.judgement()
+        return self._diagnosis if self._diagnosis is not None else Diagnosis()
+
+    # -- the golden reference -------------------------------------------------------------------
 
     def golden_dir(self, writing: bool = False) -> Path:
         from vllm_parity.harness import golden
@@ -332,11 +325,10 @@ class ParitySession:
         dest = self.golden_dir(writing=True)
         if self.opts.against == "golden" and not self.opts.update_golden:
             try:
-                g = golden.load_golden(self.golden_dir(), self.model_sha256, prompts_sha256(self.prompts))
-                self.golden = g
-                return g
+                self._golden = golden.load_golden(self.golden_dir(), self.model_sha256, prompts_sha256(self.prompts))
+                return self._golden
             except golden.GoldenMissing as exc:
-                self.golden_error = golden.GoldenMissing(
+                self._golden_error = golden.GoldenMissing(
                     f"{exc}; it was written now from the live reference, and this run checked nothing "
                     f"against it: commit {dest} and run again")
         if self.opts.level != "model" or self.opts.taps or self.opts.compiled:
@@ -344,86 +336,111 @@ class ParitySession:
                                      "neither --parity-taps nor --parity-compiled")
         live = self.reference_dump()
         golden.write_golden(live, dest, extras={"greedy": self.reference_greedy()})
-        self.extras["golden_written"] = {"passed": self.golden_error is None, "path": str(dest)}
+        self._checks["golden_written"] = {"passed": self._golden_error is None, "path": str(dest)}
         return live
 
     def reference_greedy(self) -> list[list[int]]:
-        if self.golden is not None:
+        if self._golden is not None:
             from vllm_parity.harness import golden
 
-            tokens = golden.extras_of(self.golden).get("greedy")
+            tokens = golden.extras_of(self._golden).get("greedy")
             if tokens is None or len(tokens) != len(self.prompts) or \
                     any(len(t) < self.opts.greedy_tokens for t in tokens):
-                raise golden.GoldenError(f"{self.golden.root}: holds no greedy continuation of "
+                raise golden.GoldenError(f"{self._golden.root}: holds no greedy continuation of "
                                          f"{self.opts.greedy_tokens} tokens; regenerate it with "
                                          f"--parity-update-golden")
             return [t[: self.opts.greedy_tokens] for t in tokens]
-        if self._reference_tokens is not None:
-            return self._reference_tokens
-        return [_greedy(self._reference_model, ids, self.opts.greedy_tokens) for ids in self.prompts]
+        if self._reference_tokens is None:
+            raise RuntimeError("the reference's greedy continuation is made with its dump at --parity-level=model")
+        return self._reference_tokens
 
     def unused_golden(self) -> list[str]:
         """Golden taps this run never read (reported only when every tap was compared)."""
         from vllm_parity.harness import golden
 
-        if self.golden is None or self.opts.level != "model" or self.opts.taps or self.opts.compiled:
+        if self._golden is None or self.opts.level != "model" or self.opts.taps or self.opts.compiled:
             return []
-        return golden.unused_taps(self.golden, golden.read_taps(self.golden))
+        return golden.unused_taps(self._golden, golden.read_taps(self._golden))
 
-    # -- model-level extras ---------------------------------------------------------------------
+    # -- model-level checks ---------------------------------------------------------------------
 
-    def greedy(self) -> dict[str, Any]:
+    def check(self, name: str) -> dict[str, Any]:
+        """A model-level check's result (once): ``greedy``, ``topk`` or ``logprobs``."""
+        if name not in self._checks:
+            self.judgement()
+            from vllm_parity.harness import model_checks
+
+            made = {"greedy": self._greedy_check, "topk": self._topk_check, "logprobs": self._logprobs_check}
+            if name not in made:
+                raise KeyError(f"no model-level check {name!r}; the checks are {sorted(made)}")
+            self._checks[name] = made[name](model_checks)
+        return self._checks[name]
+
+    def _greedy_check(self, model_checks) -> dict[str, Any]:
         """vLLM's greedy continuation against the reference's, token by token."""
-        if "greedy" not in self.extras:
-            self.run()
-            from vllm_parity.harness import model_checks
-
-            if self.opts.candidate == "vllm":
-                from vllm_parity.harness.engine import generate
-
-                outs = generate(self.llm(), self.prompts, max_tokens=self.opts.greedy_tokens)
-                candidate = [list(o.outputs[0].token_ids) for o in outs]
-            else:
-                candidate = [_greedy(self._kernel_model(), ids, self.opts.greedy_tokens) for ids in self.prompts]
-            self.extras["greedy"] = model_checks.greedy(self.reference_greedy(), candidate)
-        return self.extras["greedy"]
-
-    def topk(self) -> dict[str, Any]:
-        if "topk" not in self.extras:
-            self.run()
-            from vllm_parity.harness import model_checks
-
-            self.extras["topk"] = model_checks.topk(self.reference, self.candidate, self.opts.top_k)
-        return self.extras["topk"]
-
-    def logprobs(self) -> dict[str, Any]:
-        if "logprobs" not in self.extras:
-            self.run()
-            from vllm_parity.harness import model_checks
+        if self.opts.candidate == "vllm":
             from vllm_parity.harness.engine import generate
 
-            k = self.opts.top_k
-            outs = generate(self.llm(), self.prompts, max_tokens=1, prompt_logprobs=k)
-            returned = [[None if e is None else {tok: lp.logprob for tok, lp in e.items()}
-                         for e in (o.prompt_logprobs or [])] for o in outs]
-            self.extras["logprobs"] = model_checks.logprobs(self.reference, returned, k,
-                                                            self.opts.tolerances.resolve("logprobs", torch.float32))
-        return self.extras["logprobs"]
+            outs = generate(self.llm(), self.prompts, max_tokens=self.opts.greedy_tokens)
+            candidate = [list(o.outputs[0].token_ids) for o in outs]
+        else:
+            candidate = [_greedy(self._kernel_model(), ids, self.opts.greedy_tokens) for ids in self.prompts]
+        return model_checks.greedy(self.reference_greedy(), candidate)
+
+    def _topk_check(self, model_checks) -> dict[str, Any]:
+        capture = self.capture()
+        return model_checks.topk(capture.reference, capture.candidate, self.opts.top_k)
+
+    def _logprobs_check(self, model_checks) -> dict[str, Any]:
+        from vllm_parity.harness.engine import generate
+
+        k = self.opts.top_k
+        outs = generate(self.llm(), self.prompts, max_tokens=1, prompt_logprobs=k)
+        returned = [[None if e is None else {tok: lp.logprob for tok, lp in e.items()}
+                     for e in (o.prompt_logprobs or [])] for o in outs]
+        return model_checks.logprobs(self.capture().reference, returned, k,
+                                     self.tolerances.resolve("logprobs", torch.float32))
 
     def _kernel_model(self):
         from vllm_parity.harness.kernel_candidate import build_kernel_model
 
-        if not hasattr(self, "_kmodel"):
+        if self._kmodel is None:
             self._kmodel = build_kernel_model(self.ckpt)
         return self._kmodel
 
-    # -- end of run -----------------------------------------------------------------------------
+    # -- the record -------------------------------------------------------------------------------
 
-    def finish(self) -> Path | None:
-        """Write the report (and a snapshot when a tap failed); close the engine and temp dumps."""
+    def record(self) -> RunRecord | None:
+        """The run's record from the stages made so far; None when it stopped before comparing."""
+        judgement = self._judgement
+        if judgement is None:
+            return None
+        capture = self._capture
+        checks = dict(self._checks)
+        if self._calibration is not None:
+            checks["calibration"] = self._calibration[1]
+        diagnosis = self._diagnosis if self._diagnosis is not None else Diagnosis()
+        timings = {**self._seconds, "compare_s": judgement.seconds, "diagnose_s": diagnosis.seconds}
+        run = {"id": self.id, "started": self.started, "model": str(self.model_dir), "format": self.format,
+               "level": self.opts.level, "mode": self.opts.mode, "prompts_sha256": prompts_sha256(self.prompts),
+               "versions": capture.reference.manifest.get("versions", {}), "candidate": self.opts.candidate,
+               "timings": timings, "against": self.opts.against, "model_sha256": self.model_sha256}
+        if self._golden is not None:
+            from vllm_parity.harness import golden
+
+            run["golden"] = golden.describe(self._golden)
+            run["unused_golden_taps"] = self.unused_golden()
+        return RunRecord(run, judgement, diagnosis, checks)
+
+    def finish(self) -> Finished:
+        """Write the record (the report, and a snapshot when a tap failed); close the engine and temp dumps."""
         try:
-            if self.results is not None:
-                self.write_report()
+            record, written = self.record(), None
+            if record is not None:
+                root = Path(self.opts.report_dir) if self.opts.report_dir else Path(self.opts.root) / "reports" / self.id
+                record, written = stages.write(record, self._capture, root, self.opts.snapshot_dir, self.opts.command,
+                                               self.opts.keep, self.opts.snapshot_max_gb, self.opts.trend)
+            return Finished(record, self._error, written)
         finally:
             if self._llm is not None:
                 from vllm_parity.harness.engine import close_llm
@@ -432,62 +449,6 @@ class ParitySession:
                 self._llm = None
             if self._tmp is not None:
                 self._tmp.cleanup()
-        return self.report_dir
-
-    def write_report(self) -> Path:
-        t0 = time.perf_counter()
-        results = list(self.results.values())
-        first = first_divergence(results)
-        run = {"id": self.id, "started": self.started, "model": str(self.model_dir), "format": self.format,
-               "level": self.opts.level, "mode": self.opts.mode, "prompts_sha256": prompts_sha256(self.prompts),
-               "versions": self.reference.manifest.get("versions", {}), "candidate": self.opts.candidate,
-               "timings": self.timings, "extras": self.extras, "against": self.opts.against,
-               "model_sha256": self.meta("reference")["model_sha256"]}
-        if self.golden is not None:
-            from vllm_parity.harness import golden
-
-            run["golden"] = golden.describe(self.golden)
-            run["unused_golden_taps"] = self.unused_golden()
-        rep = report_mod.build(run, [r.as_dict() for r in results],
-                               {"name": first.name, "layer": first.layer} if first else None, hints=self.hints)
-        if self.extras:
-            rep["passed"] = rep["passed"] and all(e["passed"] for e in self.extras.values())
-        heat = None
-        failing = [r for r in results if not r.passed and r.metrics is not None]
-        if failing:
-            f = first or failing[0]
-            heat = report_mod.heatmap_of(f.name, *self.stacked_pair(f.name))
-        root = Path(self.opts.report_dir) if self.opts.report_dir else Path(self.opts.root) / "reports" / self.id
-        self.timings["report_s"] = time.perf_counter() - t0  # the report's own write is not in it
-        self.report_dir = report_mod.write(root, rep, heat)
-        if self.opts.trend:
-            from vllm_parity.harness import trend
-
-            trend.append(self.opts.trend, rep, model_sha256=run["model_sha256"])
-        if failing:
-            self.snapshot = self.write_snapshot(failing)
-        return self.report_dir
-
-    def stacked_pair(self, tap: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.reference.stacked(tap)[0], self.candidate.stacked(tap)[0]
-
-    def write_snapshot(self, failing: list[TapResult]) -> Path | None:
-        ref, cand, diff = {}, {}, {}
-        for r in failing:
-            for p in self.reference.prompts(r.name):
-                ref[f"{r.name}@{p}"] = self.reference.get(r.name, p)
-                cand[f"{r.name}@{p}"] = self.candidate.get(r.name, p)
-            diff[r.name] = r.as_dict()
-        meta = {"run": self.id, "model": str(self.model_dir), "format": self.format, "level": self.opts.level,
-                "command": " ".join(self.opts.command), "report": str(self.report_dir),
-                "prompts_sha256": prompts_sha256(self.prompts)}
-        try:
-            path = snapshots.write(self.opts.snapshot_dir, self.id, ref, cand, diff, meta)
-        except snapshots.SnapshotError as exc:
-            self.extras.setdefault("snapshot_error", {"passed": False, "message": str(exc)})
-            return None
-        snapshots.prune(self.opts.snapshot_dir, self.opts.keep, self.opts.snapshot_max_gb, protect=path)
-        return path
 
 
 def _greedy(model, ids: list[int], n: int) -> list[int]:

@@ -14,7 +14,8 @@ import json
 import sys
 from typing import Any
 
-from vllm_parity.tools.format_inference import inspect_checkpoint
+from vllm_parity.tools.inference import inspect_checkpoint, registry
+from vllm_parity.tools.inference.text import g as _g, pct as _pct, shape as _shape
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,24 +41,8 @@ def run(args: argparse.Namespace) -> int:
 # -- text ---------------------------------------------------------------------------------------
 
 
-def _g(x: Any) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.4g}"
-    return str(x)
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
 def _j(x: Any) -> str:
     return json.dumps(x)
-
-
-def _shape(s) -> str:
-    return "x".join(str(d) for d in s) if s else "()"
 
 
 def _table(headers: list[str], rows: list[list[Any]], indent: str = "  ") -> list[str]:
@@ -97,7 +82,7 @@ def render(r: dict[str, Any]) -> str:
                   [[t["name"], _shape(t["shape"]), t["dtype"], _role(t), _g(t["min"]), _g(t["max"]), _values(t)]
                    for t in r["tensors"]])
 
-    quant = [m for m in r["matrices"] if m["kind"] in ("ternary", "int8x")]
+    quant = [m for m in r["matrices"] if registry.get(m["kind"]) is not None]
     if quant:
         out += ["", "QUANTIZED MATRICES"]
         out += _matrix_table(quant)
@@ -150,25 +135,7 @@ def _range(r) -> str:
 
 
 def _matrix_table(quant: list[dict]) -> list[str]:
-    rows = []
-    for m in quant:
-        if m["kind"] == "ternary":
-            scale = m["scale_granularity"] or "-"
-            if m["scale_granularity"] == "group":
-                scale += f" {m['group_size']}"
-            packed = f"{m['pack_axis']} x{m['pack_factor']}" if m["pack_axis"] else "?"
-            detail = "codes " + "/".join(_pct(f) for f in m["code_fractions"]) if m.get("code_fractions") else "-"
-            rows.append([m["module"], _shape(m["logical_shape"]), _shape(m["stored_shape"]), packed, scale,
-                         _pct(m.get("zero_fraction")), detail, "2"])
-        else:
-            lv = m.get("levels")
-            detail = (f"L1/L2/L3 {_pct(lv['l1'])}/{_pct(lv['l2'])}/{_pct(lv['l3'])}" if lv
-                      else f"error: {m.get('error', '?')}")
-            bpw = f"{m['bits_per_weight']:.3f}" if "bits_per_weight" in m else "-"
-            if "block_tables_bits_per_weight" in m:
-                bpw += f" (+{m['block_tables_bits_per_weight']:.3f} tables)"
-            rows.append([m["module"], _shape(m["logical_shape"]), "int8x streams", "-", "tensor",
-                         _pct(m.get("zero_fraction")), detail, bpw])
+    rows = [registry.get(m["kind"]).text_row(m) for m in quant]
     return _table(["module", "logical", "stored", "packed", "scale", "zero frac", "codes 0/1/2/3 | levels",
                    "bits/weight"], rows)
 

@@ -1,0 +1,129 @@
+"""The stages after capture, each a function of records that returns a record: judge, diagnose, write."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_parity.architectures import Architecture
+from vllm_parity.harness import report, snapshots
+from vllm_parity.harness.compare import TapResult, compare_dumps, merge_isolated
+from vllm_parity.harness.records import Capture, Diagnosis, Judgement, RunRecord
+from vllm_parity.harness.tolerances import ToleranceTable
+from vllm_parity.reference.checkpoint import Checkpoint
+
+
+def judge(capture: Capture, taps: list[str], shown: list[str], table: ToleranceTable, num_layers: int,
+          arch: Architecture) -> Judgement:
+    """Every captured tap (layer inputs included: they decide source against inherited), then the roles from
+    the isolated run where there is one; the verdicts of the ``shown`` taps."""
+    t0 = time.perf_counter()
+    results = compare_dumps(capture.reference, capture.candidate, taps, table, num_layers, arch)
+    if capture.isolated is not None:
+        results = merge_isolated(results, compare_dumps(capture.reference, capture.isolated, taps, table,
+                                                        num_layers, arch))
+    keep = set(shown)
+    return Judgement([r for r in results if r.name in keep], time.perf_counter() - t0)
+
+
+def diagnose(judgement: Judgement, capture: Capture, ckpt: Checkpoint, arch: Architecture,
+             tp_size: int = 1) -> Diagnosis:
+    """Hints for every source of a divergence, and for drift across the layers' outputs."""
+    from vllm_parity.harness.diagnosis import (DRIFT_MIN_GROWTH, DRIFT_MIN_GROWTH_RELATIVE, LinearContext,
+                                               diagnose_depth, diagnose_tap)
+    from vllm_parity.reference.linear import ReferenceLinear, read_stored
+
+    t0 = time.perf_counter()
+    ref, cand = capture.reference, capture.judged
+    hints, errors = [], []
+    for r in judgement.taps:
+        if r.role != "source" or r.metrics is None:
+            continue
+        linear = None
+        projection = arch.projection(r.name, ckpt.linear_shapes())
+        spec = ckpt.spec
+        if projection is not None and spec is not None and not spec.is_ignored(projection[0]):
+            module, input_tap = projection
+            n, k = ckpt.linear_shapes()[module]
+            ref_linear = ReferenceLinear(module, spec, read_stored(ckpt, module, spec, n, k), n, k)
+            linear = LinearContext(module, ref.stacked(input_tap)[0], ref_linear)
+        # What the candidate's side recorded of its own layout: fused layers and tensor-parallel spread.
+        group = [t for t in cand.manifest.get("fused", {}).get(r.name, []) if t in ref.taps()]
+        siblings = {t: (ref.stacked(t)[0], cand.stacked(t)[0]) for t in group} if len(group) > 1 else None
+        try:
+            hints += diagnose_tap(r.name, ref.stacked(r.name)[0], cand.stacked(r.name)[0], linear, tp_size=tp_size,
+                                  siblings=siblings, parallel=cand.manifest.get("parallel", {}).get(r.name))
+        except ValueError as exc:  # a shape the diagnosis cannot read is not a reason to lose the run
+            errors.append(f"{r.name}: {exc}")
+    outputs = [r for r in judgement.taps if r.name.endswith(".output") and r.metrics is not None]
+    if outputs:
+        tol = outputs[-1].tolerance
+        if tol.elementwise_only:
+            errs, bound, growth = [(r.name, r.metrics.max_abs) for r in outputs], (tol.atol, "max_abs", "atol"), \
+                DRIFT_MIN_GROWTH
+        else:
+            errs = [(r.name, r.metrics.token_rel) for r in outputs]
+            bound, growth = (tol.token_rtol, "token relative error", "token_rtol"), DRIFT_MIN_GROWTH_RELATIVE
+        hints += diagnose_depth(errs, *bound, min_growth=growth)
+    return Diagnosis(hints, errors, time.perf_counter() - t0)
+
+
+@dataclass(frozen=True)
+class Written:
+    """Where a run's record went: the report directory, and the snapshot of its failing taps (if any)."""
+
+    report: Path
+    snapshot: Path | None = None
+    snapshot_error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"report": str(self.report), "snapshot": None if self.snapshot is None else str(self.snapshot),
+                "snapshot_error": self.snapshot_error}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Written:
+        return cls(Path(d["report"]), None if d["snapshot"] is None else Path(d["snapshot"]), d["snapshot_error"])
+
+
+def write(record: RunRecord, capture: Capture, root: Path, snapshot_dir: str, command: list[str], keep: int,
+          max_gb: float, trend: str | None = None) -> tuple[RunRecord, Written]:
+    """report.json (with the first failing tap's heatmap), the trend line, and a snapshot of every failing
+    tap; a snapshot that cannot be written fails the run's record, and loses nothing written before."""
+    failing = [r for r in record.judgement.taps if not r.passed and r.metrics is not None]
+    heat = None
+    if failing:
+        f = record.judgement.first or failing[0]
+        heat = report.heatmap_of(f.name, *capture.pair(f.name))
+    snapshot, snapshot_error = None, None
+    if failing:
+        try:
+            snapshot = _snapshot(record, capture, failing, root, snapshot_dir, command)
+        except snapshots.SnapshotError as exc:
+            snapshot_error = str(exc)
+            record = RunRecord(record.run, record.judgement, record.diagnosis,
+                               {**record.checks, "snapshot_error": {"passed": False, "message": snapshot_error}})
+        else:
+            snapshots.prune(snapshot_dir, keep, max_gb, protect=snapshot)
+    rep = record.as_dict()
+    report.write(root, rep, heat)
+    if trend:
+        from vllm_parity.harness import trend as trend_mod
+
+        trend_mod.append(trend, rep, model_sha256=record.run["model_sha256"])
+    return record, Written(root, snapshot, snapshot_error)
+
+
+def _snapshot(record: RunRecord, capture: Capture, failing: list[TapResult], root: Path, snapshot_dir: str,
+              command: list[str]) -> Path:
+    ref, cand, diff = {}, {}, {}
+    for r in failing:
+        for p in capture.reference.prompts(r.name):
+            ref[f"{r.name}@{p}"] = capture.reference.get(r.name, p)
+            cand[f"{r.name}@{p}"] = capture.candidate.get(r.name, p)
+        diff[r.name] = r.as_dict()
+    run = record.run
+    meta = {"run": run["id"], "model": run["model"], "format": run["format"], "level": run["level"],
+            "command": " ".join(command), "report": str(root), "prompts_sha256": run["prompts_sha256"]}
+    return snapshots.write(snapshot_dir, run["id"], ref, cand, diff, meta)

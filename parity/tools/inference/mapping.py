@@ -1,0 +1,75 @@
+"""The vLLM mapping: checkpoint key -> vLLM parameter, the merge into fused layers, the tensor-parallel split.
+
+What depends on how a quantized tensor is stored (packed rows, per-shard scale slots, unsliceable
+streams) its format adds through ``Format.stacked_row`` and ``Format.row_parallel_row``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from vllm_parity.tools.inference import registry
+from vllm_parity.tools.inference.layout import Matrix
+
+_LINEAR_KEY = re.compile(r"^(?P<prefix>model\.layers\.\d+\.(?:self_attn|mlp))\.(?P<proj>[a-z]+_proj)\.(?P<suffix>[^.]+)$")
+_STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def vllm_mapping(keys: list[str], shapes: dict[str, tuple[int, int]], matrices: dict[str, Matrix],
+                 roles: dict[str, str], values: dict[str, Any]) -> list[dict[str, Any]]:
+    """checkpoint key -> vLLM parameter, with the merge into fused layers and the tensor-parallel split.
+
+    ``values``: the resolved quantization_config keys of the checkpoint's format (empty when it has none).
+    """
+    rows_out = []
+    for key in keys:
+        row: dict[str, Any] = {"checkpoint_key": key, "vllm_param": key, "op": "as is", "shard": None,
+                               "rows": None, "packed_rows": None, "slot": None, "tp_split": None,
+                               "transpose": False, "note": None}
+        rows_out.append(row)
+        role = roles.get(key, "")
+        mt = _LINEAR_KEY.match(key)
+        if mt and (mt["proj"] in _STACKED or mt["proj"] in _ROW_PARALLEL):
+            module = f"{mt['prefix']}.{mt['proj']}"
+            m = matrices.get(module)
+            if mt["proj"] in _STACKED:
+                _stacked_row(row, mt, m, role, shapes, values)
+            else:
+                _row_parallel_row(row, m, role)
+        elif key == "model.embed_tokens.weight" or key.startswith("lm_head."):
+            row["tp_split"] = "dim 0 (vocab)"
+        elif "norm" in key.rpartition(".")[0]:
+            row["tp_split"] = "replicated"
+        else:
+            row["note"] = "not a Llama parameter: vLLM's loader skips or rejects it"
+    return rows_out
+
+
+def _stacked_row(row, mt, m, role, shapes, values) -> None:
+    fused, shard = _STACKED[mt["proj"]]
+    row["vllm_param"] = f"{mt['prefix']}.{fused}.{mt['suffix']}"
+    row["op"] = "merge"
+    row["shard"] = shard
+    members = _SHARDS[fused]
+    start = 0
+    for member in members:
+        size = shapes.get(f"{mt['prefix']}.{member}", (0, 0))[0]
+        if member == mt["proj"]:
+            row["rows"] = [start, start + size]
+            break
+        start += size
+    row["tp_split"] = "dim 0"
+    fmt = registry.get(m.kind) if m is not None else None
+    if fmt is not None:
+        fmt.stacked_row(row, m, role, members.index(mt["proj"]), values)
+
+
+def _row_parallel_row(row, m, role) -> None:
+    row["tp_split"] = "dim 1"
+    fmt = registry.get(m.kind) if m is not None else None
+    if fmt is not None:
+        fmt.row_parallel_row(row, m, role)
