@@ -192,12 +192,21 @@ class Checkpoint:
 def linear_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
     """Logical ``(N, K)`` of every linear of the model but its output embedding, keyed by module name, as
     transformers' own modeling class of ``model_type`` builds them (on the meta device: nothing allocated)."""
-    return dict(_linear_shapes(json.dumps({k: v for k, v in config.items() if k != "quantization_config"},
-                                          sort_keys=True)))
+    return dict(_meta_shapes(_key(config))[0])
+
+
+def parameter_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The shape of every parameter of transformers' model of ``config``, in its ``named_parameters`` order
+    (tied ones once)."""
+    return dict(_meta_shapes(_key(config))[1])
+
+
+def _key(config: dict[str, Any]) -> str:
+    return json.dumps({k: v for k, v in config.items() if k != "quantization_config"}, sort_keys=True)
 
 
 @functools.lru_cache(maxsize=16)
-def _linear_shapes(config_json: str) -> tuple[tuple[str, tuple[int, int]], ...]:
+def _meta_shapes(config_json: str) -> tuple[tuple, tuple]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = json.loads(config_json)
@@ -210,8 +219,9 @@ def _linear_shapes(config_json: str) -> tuple[tuple[str, tuple[int, int]], ...]:
         raise CheckpointError(f"config.json: transformers cannot build model_type {model_type!r} from it: "
                               f"{exc}") from None
     head = model.get_output_embeddings()
-    return tuple((name, (m.out_features, m.in_features)) for name, m in model.named_modules()
-                 if isinstance(m, torch.nn.Linear) and m is not head)
+    linears = tuple((name, (m.out_features, m.in_features)) for name, m in model.named_modules()
+                    if isinstance(m, torch.nn.Linear) and m is not head)
+    return linears, tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
 
 
 def _parse_spec(config: dict[str, Any], where: Path) -> FormatSpec | None:

@@ -3,11 +3,13 @@ import json
 import pytest
 import torch
 
+from vllm_parity.architectures import lookup
+from vllm_parity.errors import ParityInputError
 from vllm_parity.fixtures import default_model
 from vllm_parity.fixtures.checkpoints import FORMATS, Dims, make_fixture
 from vllm_parity.fixtures.prompts import DEFAULT, SHORT, load_prompts, prompts_sha256
 from vllm_parity.reference.formats import int8x, ternary
-from vllm_parity.reference.checkpoint import Checkpoint
+from vllm_parity.reference.checkpoint import Checkpoint, parameter_shapes
 from vllm_parity.reference.formats.ternary import PRESETS
 from vllm_parity.reference.formats.int8x import Int8xSpec
 
@@ -29,6 +31,42 @@ def test_same_arguments_give_byte_identical_files(tmp_path, fmt):
     c = make_fixture(fmt, tmp_path / "c", seed=4, dims=TINY)
     assert _files(a) == _files(b)
     assert _files(a)["model.safetensors"] != _files(c)["model.safetensors"]
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_a_family_fixture_holds_transformers_own_parameters(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    a = make_fixture("fp", tmp_path / "a", seed=3, dims=TINY, arch=arch)
+    assert _files(a) == _files(make_fixture("fp", tmp_path / "b", seed=3, dims=TINY, arch=arch))
+    llama = _files(make_fixture("fp", tmp_path / "l", seed=3, dims=TINY))
+    assert _files(a)["config.json"] != llama["config.json"]
+    # the draws keep one order: the parameters both families have get the same values
+    assert (_files(a)["model.safetensors"] == llama["model.safetensors"]) == (arch == "mistral")
+    config = json.loads((a / "config.json").read_text())
+    assert config["model_type"] == arch and config["architectures"] == [lookup(arch).fixture_config["architectures"][0]]
+    with open(a / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    names = {k for k in header if k != "__metadata__"}
+    assert names == set(parameter_shapes(config))
+    assert all(tuple(header[n]["shape"]) == shape for n, shape in parameter_shapes(config).items())
+    model, info = AutoModelForCausalLM.from_pretrained(a, output_loading_info=True)
+    assert type(model).__name__ == config["architectures"][0]
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    if arch == "qwen2":
+        assert "model.layers.0.self_attn.q_proj.bias" in names
+
+
+def test_a_family_without_a_fixture_config_is_named(tmp_path):
+    from vllm_parity.architectures import Architecture, register
+    from vllm_parity.architectures.llama import LLAMA
+
+    register(Architecture("parity_test_bare", taps=LLAMA.taps))
+    with pytest.raises(ValueError, match=r"'parity_test_bare' gives no fixture config; families with one: "
+                                         r"\[.*'mistral'.*'qwen2'"):
+        make_fixture("fp", tmp_path / "x", dims=TINY, arch="parity_test_bare")
+    with pytest.raises(ParityInputError, match="'gpt_nope' is not an architecture the harness knows"):
+        make_fixture("fp", tmp_path / "y", dims=TINY, arch="gpt_nope")
 
 
 @pytest.mark.parametrize("fmt", ["seed-article", "hf-bitnet"])

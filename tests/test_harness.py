@@ -36,14 +36,16 @@ def test_embedded_default_passes_every_level(pytester):
     assert not (pytester.path / "snap").exists()
 
 
-def test_fp_control_stock_vllm_against_stock_transformers(pytester, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_fp_control_stock_vllm_against_stock_transformers(pytester, tmp_path, arch):
     """No custom code on either side: proof the map, token alignment and residual handling are right."""
-    model = make_fixture("fp", tmp_path / "fp", dims=SMALL)
+    model = make_fixture("fp", tmp_path / "fp", dims=SMALL, arch=arch)
     result = _run(pytester, "--parity-level=model", f"--parity-model={model}",
                   f"--parity-dump-dir={tmp_path / 'dumps'}")
     result.assert_outcomes(passed=1 + 3 * 11 + 3 + 2 + 3)
     rep = _report(pytester)
     assert rep["run"]["format"] == "fp" and rep["passed"]
+    assert rep["run"]["architecture"] == arch
     ref = json.loads((tmp_path / "dumps" / "reference" / "manifest.json").read_text())
     cand = json.loads((tmp_path / "dumps" / "candidate" / "manifest.json").read_text())
     assert ref["taps"]["layers.2.output"]["3"]["shape"] == cand["taps"]["layers.2.output"]["3"]["shape"] == [64, 128]

@@ -15,7 +15,7 @@ import importlib
 import pkgutil
 import re
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from vllm_parity.errors import ParityInputError
 
@@ -54,6 +54,9 @@ class Architecture:
     taps: tuple[TapPoint, ...]  # on transformers' modules (the reference), in forward order
     layer_inputs: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: dict(PRE_NORM_DECODER))
     serving: Mapping[str, TapPoint] = field(default_factory=lambda: dict(VLLM_DECODER))
+    # config.json keys of a tiny checkpoint of this family beyond the ones every family shares
+    # (vllm_parity.fixtures.checkpoints.Dims): its transformers class, its own switches.
+    fixture_config: Mapping[str, Any] = field(default_factory=dict)
 
     def serving_points(self, packed_modules_mapping: Mapping[str, list[str]]) -> tuple[TapPoint, ...]:
         """The taps on vLLM's modules: the rows of ``serving``, fused projections read from their slice."""

@@ -24,4 +24,5 @@ LLAMA = Architecture(
         TapPoint("logits", "lm_head", "output"),
     ),
     layer_inputs=PRE_NORM_DECODER,
+    fixture_config={"architectures": ["LlamaForCausalLM"], "attention_bias": False, "mlp_bias": False},
 )

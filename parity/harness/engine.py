@@ -89,6 +89,25 @@ def make_llm(model: str | Path, *, tensor_parallel_size: int = 1, multiprocessin
             raise
 
 
+def kv_cache_bytes(config: Mapping[str, Any], tokens: int) -> int:
+    """Room for ``tokens`` tokens of the model of ``config`` (config.json), twice over, at least 64 MiB:
+    not vLLM's default gibibyte."""
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    per_token = 2 * int(config["num_hidden_layers"]) * int(config.get("num_key_value_heads") or heads) * head_dim * 4
+    return max(64 << 20, 2 * per_token * tokens)
+
+
+def make_run_llm(model: str | Path, config: Mapping[str, Any], prompts: list[list[int]], new_tokens: int, *,
+                 tensor_parallel_size: int = 1, compiled: bool = False):
+    """The engine of a parity run: every prompt at once, with room for ``new_tokens`` generated tokens."""
+    max_len = max(DEFAULT_MAX_MODEL_LEN, max(len(p) for p in prompts) + new_tokens + 8)
+    seqs = max(4, len(prompts))
+    return make_llm(model, max_model_len=max_len, max_num_seqs=seqs,
+                    kv_cache_bytes=kv_cache_bytes(config, max_len * seqs), tensor_parallel_size=tensor_parallel_size,
+                    enforce_eager=not compiled)
+
+
 def close_llm(llm) -> None:
     """Shut the engine down (worker processes included) and free its distributed state and memory."""
     engine = getattr(llm, "llm_engine", None)

@@ -237,25 +237,13 @@ class ParitySession:
 
     def llm(self):
         if self._llm is None:
-            from vllm_parity.harness.engine import make_llm
+            from vllm_parity.harness.engine import make_run_llm
 
             t0 = time.perf_counter()
-            max_len = max(256, max(len(p) for p in self.prompts) + self.opts.greedy_tokens + 8)
-            seqs = max(4, len(self.prompts))
-            self._llm = make_llm(self.model_dir, max_model_len=max_len, max_num_seqs=seqs,
-                                 kv_cache_bytes=self.kv_cache_bytes(max_len * seqs),
-                                 tensor_parallel_size=self.opts.tensor_parallel_size,
-                                 enforce_eager=not self.opts.compiled)
+            self._llm = make_run_llm(self.model_dir, self.ckpt.config, self.prompts, self.opts.greedy_tokens,
+                                     tensor_parallel_size=self.opts.tensor_parallel_size, compiled=self.opts.compiled)
             self._seconds["engine_start_s"] = time.perf_counter() - t0
         return self._llm
-
-    def kv_cache_bytes(self, tokens: int) -> int:
-        """Room for every prompt at once, twice over, at least 64 MiB: not vLLM's default gibibyte."""
-        c = self.ckpt.config
-        heads = int(c["num_attention_heads"])
-        head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
-        per_token = 2 * self.num_layers * int(c.get("num_key_value_heads") or heads) * head_dim * 4
-        return max(64 << 20, 2 * per_token * tokens)
 
     def candidate_dump(self, isolated: bool = False, repeat: bool = False,
                        feed: DumpReader | None = None) -> DumpReader:
@@ -422,6 +410,7 @@ class ParitySession:
         diagnosis = self._diagnosis if self._diagnosis is not None else Diagnosis()
         timings = {**self._seconds, "compare_s": judgement.seconds, "diagnose_s": diagnosis.seconds}
         run = {"id": self.id, "started": self.started, "model": str(self.model_dir), "format": self.format,
+               "architecture": self.arch.model_type,
                "level": self.opts.level, "mode": self.opts.mode, "prompts_sha256": prompts_sha256(self.prompts),
                "versions": capture.reference.manifest.get("versions", {}), "candidate": self.opts.candidate,
                "timings": timings, "against": self.opts.against, "model_sha256": self.model_sha256}

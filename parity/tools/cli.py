@@ -20,20 +20,22 @@ def _make_fixture(args: argparse.Namespace) -> int:
 
     dims = Dims(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
                 intermediate=args.intermediate, vocab=args.vocab)
-    out = make_fixture(args.format, args.out, seed=args.seed, dims=dims, dtype=args.dtype)
+    out = make_fixture(args.format, args.out, seed=args.seed, dims=dims, dtype=args.dtype, arch=args.arch)
     print(out)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vllm_parity.fixtures.checkpoints import FORMATS, Dims
+    from vllm_parity.fixtures.checkpoints import FORMATS, Dims, fixture_families
     from vllm_parity.tools import inspect as inspect_cmd
 
     parser = argparse.ArgumentParser(prog="parity", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make-fixture", help="write a deterministic tiny Llama checkpoint")
+    p = sub.add_parser("make-fixture", help="write a deterministic tiny checkpoint")
     p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument("--arch", default="llama", choices=fixture_families(),
+                   help="the model family (transformers' class of its config; default llama)")
     p.add_argument("--out", required=True, help="output checkpoint directory")
     p.add_argument("--seed", type=int, default=0)
     d = Dims()
