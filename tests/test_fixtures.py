@@ -57,11 +57,12 @@ def test_a_family_fixture_holds_transformers_own_parameters(tmp_path, arch):
         assert "model.layers.0.self_attn.q_proj.bias" in names
 
 
-def test_a_family_without_a_fixture_config_is_named(tmp_path):
-    from vllm_parity.architectures import Architecture, register
+def test_a_family_without_a_fixture_config_is_named(tmp_path, monkeypatch):
+    import vllm_parity.architectures as families
     from vllm_parity.architectures.llama import LLAMA
 
-    register(Architecture("parity_test_bare", taps=LLAMA.taps))
+    families.known()  # every shipped family first, then one more for this test only
+    monkeypatch.setitem(families._REGISTRY, "parity_test_bare", families.Architecture("parity_test_bare", LLAMA.taps))
     with pytest.raises(ValueError, match=r"'parity_test_bare' gives no fixture config; families with one: "
                                          r"\[.*'mistral'.*'qwen2'"):
         make_fixture("fp", tmp_path / "x", dims=TINY, arch="parity_test_bare")
