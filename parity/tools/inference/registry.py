@@ -19,6 +19,7 @@ its matrices' rows in the text report.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from vllm_parity.tools.inference.text import pct, shape
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from vllm_parity.tools.inference.layout import Matrix
 
 
-class Format:
+class Format(ABC):
     """What the generic inspection asks of one format (a subclass per format, registered once)."""
 
     quant_method: ClassVar[str]
@@ -39,6 +40,7 @@ class Format:
     weight_keys: ClassVar[tuple[str, ...]] = ()  # keys only the float weights show (the rest: shapes and names)
     consequences: ClassVar[dict[str, str]] = {}  # key -> what a loader following a wrong value gets wrong
 
+    @abstractmethod
     def scan(self, module: str, n: int, k: int, entries: dict[str, str], info: dict[str, Any], declared: Any,
              roles: dict[str, str]) -> Matrix | None:
         """None when these tensors are not this format's; else how they are stored (``kind`` this
@@ -47,15 +49,14 @@ class Format:
         ``entries``: suffix -> checkpoint key; ``info``: suffix -> the tensor's header; ``declared``: the spec
         config.json declares (any format, or None).
         """
-        raise NotImplementedError
 
+    @abstractmethod
     def fit(self, insp: Inspection) -> None:
         """Infer the keys before the tensor pass (``insp.keys``), then ``insp.build_spec()`` when complete."""
-        raise NotImplementedError
 
+    @abstractmethod
     def build_spec(self, values: dict[str, Any]) -> FormatSpec:
         """The spec of the resolved keys; ParityInputError when they do not form a valid one."""
-        raise NotImplementedError
 
     def describe(self, insp: Inspection, m: Matrix, entry: dict[str, Any], tensor_pass: TensorPass) -> None:
         """Fill ``entry``, the matrix's row of the report, reading its tensors with ``tensor_pass.read``; with
