@@ -175,12 +175,12 @@ class ParitySession:
     def _make_capture(self) -> Capture:
         reference = self.acquire_reference()
         if self.opts.compiled:
-            return Capture(reference, seconds=self._seconds)
+            return Capture(reference, seconds=dict(self._seconds))
         candidate = self.candidate_dump()
         if self.opts.calibrate:
             self._calibration = self.calibrate(reference, candidate)
         isolated = self.candidate_dump(isolated=True, feed=reference) if self.opts.mode == "isolated" else None
-        return Capture(reference, candidate, isolated, self._seconds)
+        return Capture(reference, candidate, isolated, dict(self._seconds))  # the record keeps its own copy
 
     def _remembered(self, stage):
         """A stage's record; an error is kept and raised again for every item that needs it."""
