@@ -1,7 +1,9 @@
-"""Hypothesis profiles shared by every test module: dev (default), ci (CI=true), nightly."""
+"""Hypothesis profiles shared by every test module: dev (default), ci (CI=true), nightly; tests marked
+``nightly`` run only where PARITY_NIGHTLY=1 (the nightly workflow)."""
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -29,3 +31,12 @@ settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True
 settings.register_profile("nightly", max_examples=500, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PARITY_NIGHTLY") == "1":
+        return
+    skip = pytest.mark.skip(reason="nightly: runs in the nightly gate (PARITY_NIGHTLY=1)")
+    for item in items:
+        if item.get_closest_marker("nightly") is not None:
+            item.add_marker(skip)

@@ -201,12 +201,58 @@ def parameter_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return dict(_meta_shapes(_key(config))[1])
 
 
+def stored_names(config: dict[str, Any]) -> dict[str, dict[str, tuple[int, ...]]]:
+    """For every parameter of transformers' model of ``config``: the checkpoint tensors (name -> shape) it is
+    loaded from. Most are stored under their own name; a mixture-of-experts layer's fused 3-D expert
+    parameters come from one tensor per expert and projection, under the names transformers' own conversion
+    mapping gives (reverted as ``save_pretrained`` writes them)."""
+    return {name: dict(sources) for name, sources in _stored_names(_key(config))}
+
+
+def expert_linears(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Logical ``(N, K)`` of every expert's projection as the checkpoint stores it (one linear per expert and
+    projection, keyed by its stored module name), where transformers fuses them into 3-D parameters."""
+    out = {}
+    for stored in stored_names(config).values():
+        if len(stored) > 1 and all(s.endswith(".weight") and len(shape) == 2 for s, shape in stored.items()):
+            out.update({s.removesuffix(".weight"): shape for s, shape in stored.items()})
+    return out
+
+
+def to_parameters(config: dict[str, Any], stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' load-time conversion of checkpoint tensors (named as :func:`stored_names` gives them) into
+    the model's parameters: renamed, and the experts' tensors stacked and concatenated into the fused ones."""
+    import copy
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    model = _meta_model(_key(config))
+    transforms = get_model_conversion_mapping(model, add_legacy=False)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    out: dict[str, torch.Tensor] = {}
+    pending: dict[str, WeightConverter] = {}
+    for name in sorted(stored, key=dot_natural_key):  # experts in index order: they are stacked as added
+        target, pattern = rename_source_key(name, renamings, converters)
+        if pattern is None:
+            out[target] = stored[name]
+        else:
+            pending.setdefault(target, copy.deepcopy(by_pattern[pattern])).add_tensor(target, name, pattern,
+                                                                                       stored[name])
+    for target, converter in pending.items():
+        for name, value in converter.convert(target, model=model, config=model.config).items():
+            out[name] = value[0] if isinstance(value, list) else value
+    return out
+
+
 def _key(config: dict[str, Any]) -> str:
     return json.dumps({k: v for k, v in config.items() if k != "quantization_config"}, sort_keys=True)
 
 
 @functools.lru_cache(maxsize=16)
-def _meta_shapes(config_json: str) -> tuple[tuple, tuple]:
+def _meta_model(config_json: str) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = json.loads(config_json)
@@ -214,10 +260,27 @@ def _meta_shapes(config_json: str) -> tuple[tuple, tuple]:
     try:
         config = AutoConfig.for_model(model_type, **cfg)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"config.json: transformers cannot build model_type {model_type!r} from it: "
                               f"{exc}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _stored_names(config_json: str) -> tuple[tuple[str, tuple[tuple[str, tuple[int, ...]], ...]], ...]:
+    from transformers.core_model_loading import dot_natural_key, revert_weight_conversion
+
+    model = _meta_model(config_json)
+    out = []
+    for name, p in model.named_parameters():
+        stored = revert_weight_conversion(model, {name: p})  # meta tensors: names and shapes only
+        out.append((name, tuple((k, tuple(stored[k].shape)) for k in sorted(stored, key=dot_natural_key))))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_shapes(config_json: str) -> tuple[tuple, tuple]:
+    model = _meta_model(config_json)
     head = model.get_output_embeddings()
     linears = tuple((name, (m.out_features, m.in_features)) for name, m in model.named_modules()
                     if isinstance(m, torch.nn.Linear) and m is not head)

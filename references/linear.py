@@ -27,10 +27,11 @@ def read_stored(ckpt: Checkpoint, module: str, spec: FormatSpec, n: int, k: int)
 
 
 class ReferenceLinear(nn.Module):
-    """``y = x @ W^T`` with ``W`` decoded from the stored tensors of one projection."""
+    """``y = x @ W^T (+ b)`` with ``W`` decoded from the stored tensors of one projection; ``b`` is the
+    checkpoint's float bias, where the family has one (Qwen2's q/k/v)."""
 
     def __init__(self, name: str, spec: FormatSpec, stored: dict[str, torch.Tensor], n: int, k: int,
-                 dtype: torch.dtype = torch.float32, cache: bool = True):
+                 dtype: torch.dtype = torch.float32, cache: bool = True, bias: torch.Tensor | None = None):
         super().__init__()
         self.name, self.spec = name, spec
         self.in_features, self.out_features = k, n
@@ -39,6 +40,7 @@ class ReferenceLinear(nn.Module):
         weight = spec.decode(stored, n, k, name, dtype)  # validates eagerly, even when not cached
         self.stored = stored  # compact: kept so that a precision switch decodes afresh
         self.register_buffer("cached_weight", weight if cache else None, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
     def weight(self) -> torch.Tensor:
         if self.cached_weight is not None:
@@ -56,8 +58,9 @@ class ReferenceLinear(nn.Module):
         w = self.weight()
         if self.activation_quant == "per_token_absmax_int8":
             x_q, s_x = activation_fake_quant(x)
-            return F.linear(x_q, w) / s_x
-        return F.linear(x, w)
+            y = F.linear(x_q, w) / s_x
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, w, self.bias)
 
     def extra_repr(self) -> str:
         fmt = self.spec.quant_method

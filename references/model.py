@@ -15,7 +15,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from vllm_parity.errors import CheckpointError
-from vllm_parity.reference.checkpoint import Checkpoint
+from vllm_parity.reference.checkpoint import Checkpoint, expert_linears, stored_names, to_parameters
 from vllm_parity.reference.formats import FLOAT_DTYPES
 from vllm_parity.reference.linear import ReferenceLinear, read_stored
 
@@ -40,6 +40,30 @@ def _float_tensor(ckpt: Checkpoint, name: str, shape: tuple[int, ...], dtype: to
     return nn.Parameter(t.to(dtype), requires_grad=False)
 
 
+def _converted(ckpt: Checkpoint, name: str, stored: dict[str, tuple[int, ...]], shape: tuple[int, ...],
+               dtype: torch.dtype) -> nn.Parameter:
+    """A parameter transformers converts at load (a renamed one; the fused 3-D experts), from its stored
+    tensors: each quantized expert decoded first, then transformers' own conversion."""
+    spec, experts = ckpt.spec, expert_linears(ckpt.config)
+    tensors = {}
+    for source, source_shape in stored.items():
+        module = source.removesuffix(".weight")
+        if spec is not None and module in experts and not spec.is_ignored(module):
+            if spec.activation_quant is not None:
+                raise CheckpointError(f"{ckpt.path}: {module}: quantized experts with activation quantization "
+                                      f"({spec.activation_quant}) are not supported (they are fused into one "
+                                      f"3-D parameter)")
+            n, k = experts[module]
+            tensors[source] = spec.decode(read_stored(ckpt, module, spec, n, k), n, k, module, dtype)
+        else:
+            tensors[source] = _float_tensor(ckpt, source, source_shape, dtype).data
+    value = to_parameters(ckpt.config, tensors)[name]
+    if tuple(value.shape) != shape:
+        raise CheckpointError(f"{ckpt.path}: {name} converted from {list(stored)} has shape "
+                              f"{tuple(value.shape)}, expected {shape}")
+    return nn.Parameter(value.to(dtype), requires_grad=False)
+
+
 def build_reference_model(path: str | Path | Checkpoint, dtype: torch.dtype = torch.float32,
                           cache: bool = True, attn_implementation: str = "eager") -> PreTrainedModel:
     """The reference model of any FORMATS.md checkpoint directory, in ``dtype`` (fp32, or fp64)."""
@@ -50,30 +74,33 @@ def build_reference_model(path: str | Path | Checkpoint, dtype: torch.dtype = to
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     shapes = ckpt.linear_shapes()
     quantized = {m for m in shapes if spec is not None and not spec.is_ignored(m)}
+    sources = stored_names(ckpt.config)
 
     for name, param in list(model.named_parameters()):
         module_name, attr = name.rsplit(".", 1)
-        if module_name in quantized:
+        if module_name in quantized and attr == "weight":
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings and name not in ckpt:
             continue
         module = model.get_submodule(module_name)
-        setattr(module, attr, _float_tensor(ckpt, name, tuple(param.shape), dtype))
+        stored = sources.get(name, {name: tuple(param.shape)})
+        if list(stored) == [name]:
+            setattr(module, attr, _float_tensor(ckpt, name, tuple(param.shape), dtype))
+        else:
+            setattr(module, attr, _converted(ckpt, name, stored, tuple(param.shape), dtype))
     if config.tie_word_embeddings and "lm_head.weight" not in ckpt:
         model.lm_head.weight = model.model.embed_tokens.weight
 
     for module_name in sorted(quantized):
         n, k = shapes[module_name]
         stored = read_stored(ckpt, module_name, spec, n, k)
-        linear = ReferenceLinear(module_name, spec, stored, n, k, dtype=dtype, cache=cache)
+        bias = model.get_submodule(module_name).bias  # loaded above as a float tensor where the family has one
+        linear = ReferenceLinear(module_name, spec, stored, n, k, dtype=dtype, cache=cache,
+                                 bias=None if bias is None else bias.data)
         parent_name, child = module_name.rsplit(".", 1)
-        old = model.get_submodule(module_name)
-        if getattr(old, "bias", None) is not None:
-            raise CheckpointError(f"{ckpt.path}: {module_name} has a bias; quantized projections carry none")
         setattr(model.get_submodule(parent_name), child, linear)
 
-    # Buffers (rotary inv_freq) were computed on meta: rebuild the module on the CPU.
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    _compute_buffers(model)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     leftover += [n for n, b in model.named_buffers() if b is not None and b.is_meta]
     if leftover:
@@ -81,6 +108,19 @@ def build_reference_model(path: str | Path | Checkpoint, dtype: torch.dtype = to
     if dtype != torch.float32:
         model.to(dtype)
     return model.eval()
+
+
+def _compute_buffers(model: PreTrainedModel) -> None:
+    """The non-persistent buffers (rotary frequencies, an embedding's scale) were computed on the meta device:
+    transformers' own initialization computes them again, every loaded tensor marked as initialized."""
+    for p in model.parameters():
+        p._is_hf_initialized = True
+    for module in model.modules():
+        meta = [n for n, b in module.named_buffers(recurse=False) if b is not None and b.is_meta]
+        for n in meta:
+            setattr(module, n, torch.empty_like(getattr(module, n), device="cpu"))
+        if meta:
+            model._init_weights(module)
 
 
 def set_precision(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:

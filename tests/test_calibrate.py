@@ -67,3 +67,24 @@ def test_calibrate_takes_the_widest_spread_with_headroom(tmp_path):
     assert not tol.elementwise_only
     exact, _ = calibrate(ckpt, lookup("llama"), ["layers.0.output"], ref32, {"fp64": ref32}, cand, cand, headroom=10)
     assert exact.resolve("layers.0.output").token_rtol == pytest.approx(10 * FLOOR)  # exact taps stay judgeable
+
+
+def test_the_format_cap_reads_the_inputs_that_move_a_code(tmp_path):
+    """Behind relu² most of down_proj's inputs are exactly zero; a zero moves no code, so the cap comes from
+    the others (a median of zero would give a tolerance of zero)."""
+    from vllm_parity.fixtures.checkpoints import Dims, make_fixture
+    from vllm_parity.harness.calibrate import format_cap
+    from vllm_parity.reference.checkpoint import Checkpoint
+
+    dims = Dims(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, vocab=64)
+    ckpt = Checkpoint(make_fixture("seed-article", tmp_path / "m", dims=dims))
+    g = torch.Generator().manual_seed(3)
+    act = torch.randn(8, dims.intermediate, generator=g)
+    down = torch.randn(8, dims.hidden, generator=g)
+    dense = format_cap(ckpt, lookup("llama"), _dump(tmp_path / "d", {"layers.0.mlp.act": act,
+                                                                      "layers.0.mlp.down": down}), "layers.0.mlp.down")
+    sparse_act = torch.where(torch.rand(act.shape, generator=g) < 0.6, torch.zeros_like(act), act)
+    sparse = format_cap(ckpt, lookup("llama"), _dump(tmp_path / "s", {"layers.0.mlp.act": sparse_act,
+                                                                       "layers.0.mlp.down": down}), "layers.0.mlp.down")
+    assert all(c > 0 for c in sparse)
+    assert sparse[0] == pytest.approx(dense[0], rel=0.5) and sparse[1] == pytest.approx(dense[1], rel=0.5)

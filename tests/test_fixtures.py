@@ -33,7 +33,7 @@ def test_same_arguments_give_byte_identical_files(tmp_path, fmt):
     assert _files(a)["model.safetensors"] != _files(c)["model.safetensors"]
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "minicpm3", "bitnet"])
 def test_a_family_fixture_holds_transformers_own_parameters(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
@@ -55,6 +55,11 @@ def test_a_family_fixture_holds_transformers_own_parameters(tmp_path, arch):
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
     if arch == "qwen2":
         assert "model.layers.0.self_attn.q_proj.bias" in names
+    # a norm is drawn as the scale it applies: Gemma's stores that scale less its offset of 1
+    from safetensors.torch import load_file
+
+    norms = [load_file(d / "model.safetensors")["model.norm.weight"] for d in (a, tmp_path / "l")]
+    torch.testing.assert_close(norms[0] + lookup(arch).norm_offset, norms[1], rtol=0, atol=1e-6)
 
 
 def test_a_family_without_a_fixture_config_is_named(tmp_path, monkeypatch):

@@ -581,3 +581,32 @@ def test_a_registered_format_is_offered_without_editing_the_generic_code(tmp_pat
     assert any("neither a packed uint8 weight, int8x streams, int8 dummy codes, nor a float weight of shape "
                "(64, 128)" in w for w in report["warnings"])
 
+
+
+@pytest.mark.parametrize("arch, own", [
+    ("qwen3", {"model.layers.0.self_attn.q_norm.weight": "replicated"}),
+    ("phi3", {"model.layers.0.self_attn.qkv_proj.weight_ternary": "dim 0",
+              "model.layers.0.mlp.gate_up_proj.weight_scale": "dim 0"}),  # fused on disk too
+])
+def test_the_report_names_the_family_and_maps_its_own_keys(tmp_path, arch, own):
+    path = make_fixture("seed-article", tmp_path / arch, dims=DIMS, arch=arch)
+    _, report, _ = inspect_json(path)
+    from vllm_parity.architectures import lookup
+
+    assert report["architecture"] == {"model_type": arch, "known": True, "taps": [p.tap for p in lookup(arch).taps]}
+    rows = {r["checkpoint_key"]: r for r in report["mapping"]}
+    for key, split in own.items():
+        assert rows[key]["note"] is None and rows[key]["vllm_param"] == key, rows[key]
+        assert rows[key]["tp_split"] == split, rows[key]
+    assert all(r["note"] is None for r in report["mapping"]), [r for r in report["mapping"] if r["note"]]
+    rc, text, _ = run_cli(path)
+    assert f"architecture: {arch} ({len(lookup(arch).taps)} tap rows)" in text
+
+
+def test_an_unknown_family_is_named_with_the_known_ones(tmp_path):
+    path = make_fixture("fp", tmp_path / "m", dims=DIMS)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
+    _, report, _ = inspect_json(path)
+    assert report["architecture"]["model_type"] == "gpt_neox" and not report["architecture"]["known"]
+    assert any("model_type 'gpt_neox' is not an architecture the harness knows" in w for w in report["warnings"])

@@ -43,3 +43,15 @@ def test_logprobs_within_tolerance_and_top1_in_the_others_topk(tmp_path):
     swapped = [[None, {2: lp[0], 1: lp[1]}]]  # the candidate's top-1 (token 2) is not in the reference's top-2
     got = model_checks.logprobs(ref, swapped, k=2, tol=Tolerance(atol=10.0))
     assert not got["passed"] and got["mismatches"][0]["candidate_top"][0] == 2
+
+
+def test_logprobs_accept_a_top1_tied_beyond_the_top_k(tmp_path):
+    """A saturated soft cap gives more tokens the top log-prob than k: any of them is a top-1."""
+    row = [30.0, 30.0, 30.0, 30.0, 1.0]
+    ref = _logits(tmp_path / "r", [[row, row]])
+    lp = torch.log_softmax(torch.tensor(row, dtype=torch.float64), dim=-1).tolist()
+    tied = [[None, {3: lp[3], 2: lp[2]}]]  # tokens 0 and 1 are the reference's top-2, token 3 ties with them
+    got = model_checks.logprobs(ref, tied, k=2, tol=Tolerance(atol=1e-3))
+    assert got["passed"], got["mismatches"]
+    below = [[None, {4: lp[4] , 3: lp[3]}]]  # token 4 ranked first although the reference puts it far below
+    assert not model_checks.logprobs(ref, below, k=2, tol=Tolerance(atol=100.0))["passed"]

@@ -136,3 +136,19 @@ def test_capture_does_not_depend_on_the_first_forward(fixture_dirs, tmp_path):
         steady = model(torch.tensor([prompts[0]]), use_cache=False, output_hidden_states=True).hidden_states[1]
     handle.remove()
     torch.testing.assert_close(dump.get("layers.0.output", 0), steady[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["seed-article", "int8x"])
+def test_a_quantized_projection_keeps_its_bias(tmp_path, fmt):
+    """Qwen2's q/k/v carry a bias beside their quantized weight: ``x @ W^T + b``."""
+    path = make_fixture(fmt, tmp_path / fmt, dims=SMALL, arch="qwen2")
+    ckpt = Checkpoint(path)
+    model = build_reference_model(ckpt)
+    name = "model.layers.0.self_attn.k_proj"
+    lin = model.get_submodule(name)
+    assert isinstance(lin, ReferenceLinear)
+    bias = ckpt.tensor(f"{name}.bias")
+    x = torch.randn(3, SMALL.hidden)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), x @ lin.weight().T + bias, rtol=0, atol=1e-5)
+    assert model.get_submodule("model.layers.0.mlp.up_proj").bias is None

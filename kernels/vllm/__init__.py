@@ -26,12 +26,15 @@ def schemes() -> dict[str, type]:
 
 
 def register() -> None:
-    """Register every scheme's config with vLLM; safe to call repeatedly."""
+    """Register every scheme's config, and the model classes vLLM lacks, with vLLM; safe to call repeatedly."""
     global _registered
     if _registered:
         return
+    from vllm import ModelRegistry
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     for name, config in schemes().items():
         register_quantization_config(name)(config)
+    # By "module:class": the module is imported only where a checkpoint names the architecture.
+    ModelRegistry.register_model("BitNetForCausalLM", "vllm_parity.serving.vllm.models.bitnet:BitNetForCausalLM")
     _registered = True

@@ -23,6 +23,9 @@ from vllm.model_executor.layers.linear import (
     QKVParallelLinear,
     UnquantizedLinearMethod,
 )
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from vllm_parity.errors import CheckpointError, FormatError
@@ -87,8 +90,14 @@ class ParityQuantConfig(QuantizationConfig):
         return cls(spec)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, RoutedExperts):  # a mixture-of-experts layer's experts (vllm_parity.serving.vllm.moe)
+            if self.spec.is_ignored(prefix):
+                return UnquantizedFusedMoEMethod(layer.moe_config)
+            return self.make_moe_method(layer, prefix)
         if not isinstance(layer, LinearBase):
             return None  # embeddings, lm_head, attention: unquantized
+        if isinstance(layer, GateLinear):
+            return UnquantizedLinearMethod()  # a router: transformers' is a bare parameter, stored float
         modules = self.checkpoint_modules(prefix)
         ignored = [m for m in modules if self.spec.is_ignored(m)]
         if len(ignored) == len(modules):
@@ -105,8 +114,9 @@ class ParityQuantConfig(QuantizationConfig):
     def checkpoint_modules(self, prefix: str) -> list[str]:
         """The checkpoint module names a vLLM layer holds: 3 for qkv_proj, 2 for gate_up_proj, else 1."""
         parent, _, last = prefix.rpartition(".")
-        mapping = self.packed_modules_mapping or DEFAULT_PACKED_MODULES
-        parts = mapping.get(last)
+        # Llama's names where the model's mapping lacks them: Qwen3-MoE adds gate_up_proj to its mapping in
+        # its __init__, after SupportsQuant copied the mapping here
+        parts = (self.packed_modules_mapping or {}).get(last) or DEFAULT_PACKED_MODULES.get(last)
         if not parts:
             return [prefix]
         return [f"{parent}.{p}" if parent else p for p in parts]
@@ -114,6 +124,10 @@ class ParityQuantConfig(QuantizationConfig):
     @abstractmethod
     def make_method(self, modules: list[str]) -> QuantizeMethodBase:
         """The scheme's linear method for a vLLM layer holding these checkpoint modules."""
+
+    def make_moe_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase:
+        """The scheme's method for the experts of a mixture-of-experts layer (``prefix``: ``...experts``)."""
+        raise FormatError(f"{self.method_name}: {prefix}: this format has no method for mixture-of-experts layers")
 
 
 class Shard(NamedTuple):

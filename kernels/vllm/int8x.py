@@ -145,5 +145,10 @@ class Int8xConfig(ParityQuantConfig):
     def make_method(self, modules: list[str]) -> QuantizeMethodBase:
         return Int8xLinearMethod(self.spec, modules)
 
+    def make_moe_method(self, layer, prefix: str) -> QuantizeMethodBase:
+        from vllm_parity.serving.vllm.moe import Int8xMoEMethod
+
+        return Int8xMoEMethod(self.spec, layer.moe_config, prefix)
+
 
 CONFIG = Int8xConfig

@@ -206,5 +206,10 @@ class TernaryConfig(ParityQuantConfig):
     def make_method(self, modules: list[str]) -> QuantizeMethodBase:
         return TernaryLinearMethod(self.spec, modules)
 
+    def make_moe_method(self, layer, prefix: str) -> QuantizeMethodBase:
+        from vllm_parity.serving.vllm.moe import TernaryMoEMethod
+
+        return TernaryMoEMethod(self.spec, layer.moe_config, prefix)
+
 
 CONFIG = TernaryConfig

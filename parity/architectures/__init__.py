@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import re
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping
 
 from vllm_parity.errors import ParityInputError
 
@@ -26,6 +26,9 @@ class TapPoint:
     module: str  # module path on that side; "{i}" likewise
     hook: str  # "input" (the forward pre-hook's arguments) or "output" (the forward hook's result)
     take: str = "first"  # how the tensor is taken from what the hook sees (harness.taps.TAKE)
+    # only on the decoder layers i where layers(config, i) holds (config: config.json's keys), where a family
+    # mixes layer kinds (Qwen3-MoE's dense and sparse layers); a module-level function, so that it pickles
+    layers: Callable[[Mapping[str, Any], int], bool] | None = None
 
 
 # What each tap of a pre-norm decoder layer (Llama and its kin) is computed from: a failing tap whose
@@ -57,9 +60,21 @@ class Architecture:
     # config.json keys of a tiny checkpoint of this family beyond the ones every family shares
     # (vllm_parity.fixtures.checkpoints.Dims): its transformers class, its own switches.
     fixture_config: Mapping[str, Any] = field(default_factory=dict)
+    # what the norms' stored weight w scales by: offset + w (Gemma's norms store w for 1 + w)
+    norm_offset: float = 0.0
+    # the vLLM model's attribute dividing the final norm's output in its forward, before compute_logits
+    # (MiniCPM's scale_width)
+    logits_divisor: str | None = None
+    # module path components that vLLM names otherwise (Mixtral's ``mlp`` is ``block_sparse_moe`` there, as
+    # in its checkpoints)
+    renames: Mapping[str, str] = field(default_factory=dict)
+    # linears vLLM builds without the quantization config (Qwen2-MoE's shared_expert_gate): a quantized
+    # checkpoint stores them float, in its format's ignore list
+    float_modules: tuple[str, ...] = ()
 
     def serving_points(self, packed_modules_mapping: Mapping[str, list[str]]) -> tuple[TapPoint, ...]:
-        """The taps on vLLM's modules: the rows of ``serving``, fused projections read from their slice."""
+        """The taps on vLLM's modules: the rows of ``serving``, fused projections read from their slice,
+        modules renamed by ``renames``."""
         fused_of = {leaf: (fused, j) for fused, leaves in packed_modules_mapping.items()
                     for j, leaf in enumerate(leaves)}
         out = []
@@ -67,12 +82,14 @@ class Architecture:
             if p.tap in self.serving:
                 out.append(self.serving[p.tap])
                 continue
-            parent, _, leaf = p.module.rpartition(".")
-            if p.hook == "output" and leaf in fused_of:
+            parent, _, leaf = ".".join(self.renames.get(c, c) for c in p.module.split(".")).rpartition(".")
+            if p.take.startswith(("qkv.", "halves.")):  # fused on both sides: vLLM's slices of the same layer
+                out.append(replace(p, module=f"{parent}.{leaf}", take=f"part.{p.take.rsplit('.', 1)[1]}"))
+            elif p.hook == "output" and leaf in fused_of:
                 fused, j = fused_of[leaf]
-                out.append(TapPoint(p.tap, f"{parent}.{fused}", "output", f"part.{j}"))
+                out.append(replace(p, module=f"{parent}.{fused}", take=f"part.{j}"))
             else:
-                out.append(p)
+                out.append(replace(p, module=f"{parent}.{leaf}" if parent else leaf))
         return tuple(out)
 
     def fused_groups(self, packed_modules_mapping: Mapping[str, list[str]]) -> list[list[str]]:

@@ -66,6 +66,7 @@ def format_cap(ckpt: Checkpoint, arch: Architecture, reference: DumpReader, tap:
         return None
     step = spec.code_step(ckpt, module)
     x = reference.stacked(input_tap)[0].double().abs()
+    x = x[x > 0] if bool((x > 0).any()) else x  # a zero input (most of them behind relu²) moves no code
     move = float(torch.quantile(step.flatten(), 0.1)) * float(x.median())  # one code off by one
     y = reference.stacked(tap)[0].double()
     s = row_scale(y)

@@ -9,6 +9,7 @@ import pytest
 from vllm_parity.harness.session import ParitySession
 
 MODEL_CHECKS = ("greedy", "topk", "logprobs")
+OP_CHECKS = ("routing",)  # judged on op-level taps (ParitySession.op_checks says where they apply)
 
 
 class ParityCollector(pytest.Collector):
@@ -30,9 +31,9 @@ class ParityItem(pytest.Item):
 
     def runtest(self) -> None:
         session = self.config._parity_state.parity()
-        if self.check in MODEL_CHECKS:
+        if self.check in MODEL_CHECKS or self.check in OP_CHECKS:
             result = session.check(self.check)
-            for k in ("agree", "total", "k", "positions", "max_abs"):
+            for k in ("agree", "total", "k", "positions", "max_abs", "fraction", "ties"):
                 if k in result:
                     self.user_properties.append((k, result[k]))
             if not result["passed"]:
@@ -95,5 +96,11 @@ def _describe_check(check: str, result: dict) -> str:
     if check == "logprobs":
         return (f"prompt log-probs: {len(result['mismatches'])}+ of {result['positions']} positions differ "
                 f"(max abs {result['max_abs']:.3g}, atol {result['atol']:g}); first: {result['mismatches'][:3]}")
+    if check == "routing":
+        d = result["first_disagreement"]
+        return (f"routing: {result['agree']}/{result['total']} tokens routed to the reference's top-{result['k']} "
+                f"experts ({result['ties']} more at a tie); first disagreement at layer {d['layer']}, prompt "
+                f"{d['prompt']}, position {d['position']}: reference experts {d['reference']}, candidate "
+                f"{d['candidate']} (per layer: {result['layers']})")
     return (f"top-{result['k']} agreement {result['agree']}/{result['total']} positions; "
             f"disagreeing at {result['disagree_at']}")

@@ -8,6 +8,7 @@ is the kernels' alone.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from vllm_parity.reference.checkpoint import Checkpoint
@@ -23,5 +24,17 @@ def build_kernel_model(ckpt: Checkpoint, backend: str | None = None) -> nn.Modul
             parent, child = name.rsplit(".", 1)
             factory = linear_for(module.spec.quant_method)
             kernel = factory(module.spec, module.stored, module.out_features, module.in_features, module.name, backend)
-            setattr(model.get_submodule(parent), child, kernel)
+            setattr(model.get_submodule(parent), child, kernel if module.bias is None else _Biased(kernel, module.bias))
     return model
+
+
+class _Biased(nn.Module):
+    """A kernel linear and the projection's float bias (kernels compute ``x @ W^T`` only)."""
+
+    def __init__(self, kernel: nn.Module, bias: torch.Tensor):
+        super().__init__()
+        self.kernel, self.bias = kernel, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel(x)
+        return y + self.bias.to(y.dtype)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_parity.errors import ParityInputError
 from vllm_parity.harness import summary
 from vllm_parity.harness.items import MODEL_CHECKS, ParityCollector, ParityItem
 from vllm_parity.harness.session import CANDIDATES, LEVELS, Finished, Options, ParitySession
@@ -124,10 +125,16 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         (keep if level is not None and LEVELS.index(level) <= top else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
-    parity = state.parity()
+    try:
+        parity = state.parity()
+        taps, _ = parity.taps(), parity.format  # the architecture and the format are known, or say what to add
+    except ParityInputError as exc:  # the checkpoint or the options: the message says what to fix
+        raise pytest.UsageError(f"parity: {exc}") from None
     parent = ParityCollector.from_parent(session, name="parity", path=Path(__file__), nodeid="parity")
     builtin = [ParityItem.from_parent(parent, name=f"test_parity[{level_of(t)}-{t}]", check=t, level=level_of(t))
-               for t in parity.taps()]
+               for t in taps]
+    builtin += [ParityItem.from_parent(parent, name=f"test_parity[op-{c}]", check=c, level="op")
+                for c in parity.op_checks()]
     if top == LEVELS.index("model") and not config.getoption("--parity-taps"):
         checks = [c for c in MODEL_CHECKS if not (config.getoption("--parity-compiled") and c == "topk")]
         if parity.opts.candidate != "vllm":

@@ -15,7 +15,7 @@ from torch import nn
 
 from vllm_parity.harness.dumps import DumpWriter, key
 from vllm_parity.architectures import TapPoint
-from vllm_parity.harness.taps import TAKE, expand, layer_of
+from vllm_parity.harness.taps import expand, layer_of, take_for
 
 RowsFn = Callable[[torch.Tensor], dict[int, torch.Tensor]]
 
@@ -29,14 +29,15 @@ class Recorder:
         self.pending: dict[str, torch.Tensor] = {}
         self.group: str | None = None
         self.seen: set[str] = set()
-        self.plan = [(tap, p, m) for tap, p, m in expand(points, num_layers) if wanted is None or wanted(tap)]
+        self.plan = [(tap, p, m) for tap, p, m in expand(points, num_layers, getattr(model, "config", None))
+                     if wanted is None or wanted(tap)]
 
     def install(self) -> "Recorder":
         modules = dict(self.model.named_modules())
         for tap, point, path in self.plan:
             if path not in modules:
                 raise KeyError(f"tap {tap!r}: module {path!r} not found in {type(self.model).__name__}")
-            take = TAKE[point.take]
+            take = take_for(point.take, getattr(self.model, "config", None))
             if point.hook == "input":
                 def pre(mod, args, tap=tap, take=take):
                     self._capture(tap, take(args, mod))

@@ -76,7 +76,8 @@ class ParitySession:
     """One run's inputs, and its stages run lazily and once: :meth:`capture`, :meth:`judgement`,
     :meth:`diagnosis`, :meth:`check`, :meth:`record`, each returning a record (``vllm_parity.harness.records``)."""
 
-    def __init__(self, opts: Options):
+    def __init__(self, opts: Options, llm=None):
+        """``llm``: an engine already started on this checkpoint with these options (the run closes it)."""
         self.opts = opts
         self.id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
         self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -87,7 +88,7 @@ class ParitySession:
         self.prompts = load_prompts(opts.prompts or DEFAULT, vocab_size=int(self.ckpt.config["vocab_size"]))
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._dump_root: Path | None = None
-        self._llm = None
+        self._llm = llm
         self._kmodel = None
         self._seconds: dict[str, float] = {}  # each step's time, for the record's timings
         # The stages' records, each made once.
@@ -107,8 +108,8 @@ class ParitySession:
         if self.opts.compiled:
             return []  # hooks do not fire inside the compiled graph
         top = LEVELS.index(self.opts.level)
-        taps = [t for t in canonical_order(self.num_layers, self.arch) if LEVELS.index(level_of(t)) <= top
-                and not t.endswith(".input")]
+        taps = [t for t in canonical_order(self.num_layers, self.arch, self.ckpt.config)
+                if LEVELS.index(level_of(t)) <= top and not t.endswith(".input")]
         if self.opts.taps:
             taps = [t for t in taps if fnmatch.fnmatchcase(t, self.opts.taps)]
         return taps
@@ -159,7 +160,8 @@ class ParitySession:
     def capture_taps(self) -> list[str]:
         """The compared taps plus every layer's input (what isolated runs and diagnosis read)."""
         wanted = set(self.taps()) | ({"logits"} if self.opts.level == "model" and not self.opts.taps else set())
-        return [t for t in canonical_order(self.num_layers, self.arch) if t in wanted or t.endswith(".input")]
+        return [t for t in canonical_order(self.num_layers, self.arch, self.ckpt.config)
+                if t in wanted or t.endswith(".input")]
 
     def wanted(self, tap: str) -> bool:
         return tap in set(self.capture_taps())
@@ -244,6 +246,11 @@ class ParitySession:
                                      tensor_parallel_size=self.opts.tensor_parallel_size, compiled=self.opts.compiled)
             self._seconds["engine_start_s"] = time.perf_counter() - t0
         return self._llm
+
+    def hand_over(self):
+        """The engine, no longer this run's to close: a second run on the same checkpoint takes it."""
+        llm, self._llm = self.llm(), None
+        return llm
 
     def candidate_dump(self, isolated: bool = False, repeat: bool = False,
                        feed: DumpReader | None = None) -> DumpReader:
@@ -352,13 +359,22 @@ class ParitySession:
 
     # -- model-level checks ---------------------------------------------------------------------
 
+    def routers(self) -> dict[int, str]:
+        """The compared router-logits taps of the mixture-of-experts layers, by layer."""
+        return {int(t.split(".")[1]): t for t in self.taps() if t.endswith(".moe.router")}
+
+    def op_checks(self) -> list[str]:
+        """The checks judged on op-level taps: routing agreement, where the model routes tokens to experts."""
+        return ["routing"] if self.routers() else []
+
     def check(self, name: str) -> dict[str, Any]:
-        """A model-level check's result (once): ``greedy``, ``topk`` or ``logprobs``."""
+        """A check's result (once): ``greedy``, ``topk``, ``logprobs`` or ``routing``."""
         if name not in self._checks:
             self.judgement()
             from vllm_parity.harness import model_checks
 
-            made = {"greedy": self._greedy_check, "topk": self._topk_check, "logprobs": self._logprobs_check}
+            made = {"greedy": self._greedy_check, "topk": self._topk_check, "logprobs": self._logprobs_check,
+                    "routing": self._routing_check}
             if name not in made:
                 raise KeyError(f"no model-level check {name!r}; the checks are {sorted(made)}")
             self._checks[name] = made[name](model_checks)
@@ -378,6 +394,16 @@ class ParitySession:
     def _topk_check(self, model_checks) -> dict[str, Any]:
         capture = self.capture()
         return model_checks.topk(capture.reference, capture.candidate, self.opts.top_k)
+
+    def _routing_check(self, model_checks) -> dict[str, Any]:
+        """Whether both sides route every token to the same top-k experts, from their router logits."""
+        capture, routers = self.capture(), self.routers()
+        if not routers:
+            raise KeyError(f"{self.model_dir}: no router taps compared in this run (a mixture-of-experts model, "
+                           f"with --parity-taps including layers.*.moe.router)")
+        k = int(self.ckpt.config["num_experts_per_tok"])
+        tol = self.tolerances.resolve(next(iter(routers.values())), torch.float32)
+        return model_checks.routing(capture.reference, capture.candidate, routers, k, tol)
 
     def _logprobs_check(self, model_checks) -> dict[str, Any]:
         from vllm_parity.harness.engine import generate
@@ -404,6 +430,9 @@ class ParitySession:
         if judgement is None:
             return None
         capture = self._capture
+        if "routing" not in self._checks and self._error is None and self.op_checks() and capture is not None \
+                and capture.candidate is not None:
+            self.check("routing")  # reported even where the funnel or a failing router skipped its item
         checks = dict(self._checks)
         if self._calibration is not None:
             checks["calibration"] = self._calibration[1]

@@ -29,7 +29,7 @@ import torch
 from vllm_parity.harness.dumps import DumpReader, DumpWriter, key
 from vllm_parity.harness.recorder import Recorder
 from vllm_parity.architectures import Architecture
-from vllm_parity.harness.taps import expand
+from vllm_parity.harness.taps import expand, layer_of
 
 REQUEST = re.compile(r"^parity-(\d+)(?:-|$)")
 _ACTIVE: dict[str, dict] = {}  # per worker process: capture id -> its recorder and hooks
@@ -79,12 +79,15 @@ class _StepRows:
         return {p: t[s:e] for p, s, e in self.spans}
 
 
-def _parallel(model, plan) -> dict[str, str]:
+def _parallel(model, plan, arch: Architecture) -> dict[str, str]:
     """How each tap is spread over the ranks, from the module it is read at: the output of a column-parallel
     linear, or the input of a row-parallel one, is a shard of the features ("column"; "column_kv" for the
     k / v slices, which repeat when there are fewer kv heads than ranks); a row-parallel output is an
-    all-reduced partial sum ("row"); the logits are gathered over the vocabulary ("vocab")."""
-    from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    all-reduced partial sum ("row"), or each rank's partial sum where the layer leaves the reduction to its
+    caller ("partial": Qwen2-MoE's shared expert); the logits are gathered over the vocabulary ("vocab"). A tap read at
+    any other module computed from one sharded tap alone (a per-head norm of q) is sharded as that one."""
+    from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase, QKVParallelLinear,
+                                                   RowParallelLinear)
 
     modules = dict(model.named_modules())
     kinds = {"logits": "vocab"}
@@ -95,7 +98,13 @@ def _parallel(model, plan) -> dict[str, str]:
         elif point.hook == "input" and isinstance(mod, RowParallelLinear) and mod.input_is_parallel:
             kinds[tap] = "column"
         elif point.hook == "output" and isinstance(mod, RowParallelLinear):
-            kinds[tap] = "row"
+            kinds[tap] = "row" if mod.reduce_results or mod.tp_size == 1 else "partial"
+    for tap, point, path in plan:
+        layer, inputs = layer_of(tap), None
+        if layer is not None and tap not in kinds and not isinstance(modules.get(path), LinearBase):
+            inputs = arch.layer_inputs.get(tap.split(".", 2)[2], ())
+        if inputs and len(inputs) == 1 and kinds.get(f"layers.{layer}.{inputs[0]}", "").startswith("column"):
+            kinds[tap] = kinds[f"layers.{layer}.{inputs[0]}"]
     return kinds
 
 
@@ -116,7 +125,7 @@ def _install_worker(worker, capture_id: str, arch: Architecture, out: str, promp
     With ``isolate_from`` (a reference dump directory) every decoder layer is fed the reference's input
     for that layer, so each layer's error is its own.
     """
-    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     rank = get_tensor_model_parallel_rank()
     runner = worker.model_runner
@@ -143,13 +152,19 @@ def _install_worker(worker, capture_id: str, arch: Architecture, out: str, promp
     if wanted is None or "logits" in wanted:
         def logits(mod, args, out):
             if rows.spans:
-                full = model.compute_logits(out[0] if isinstance(out, tuple) else out)
+                hidden = out[0] if isinstance(out, tuple) else out
+                if arch.logits_divisor is not None:
+                    hidden = hidden / getattr(model, arch.logits_divisor)
+                full = model.compute_logits(hidden)
                 if full is not None:  # ranks other than 0 may get None from the gather
                     rec._capture("logits", full)
         handles.append(model.model.norm.register_forward_hook(logits))
     _ACTIVE[capture_id] = {"rec": rec, "handles": handles, "writer": writer}
-    return {"rank": rank, "kv_heads": attn.num_kv_heads, "total_kv_heads": attn.total_num_kv_heads,
-            "parallel": _parallel(model, expand(points, num_layers)), "fused": _fused(arch, packed, num_layers)}
+    # kv heads of this rank, and of the model (MiniCPM3's latent attention has a kv head per head)
+    kv_heads = getattr(attn, "num_kv_heads", None) or attn.attn.num_kv_heads
+    total_kv_heads = getattr(attn, "total_num_kv_heads", None) or kv_heads * get_tensor_model_parallel_world_size()
+    return {"rank": rank, "kv_heads": kv_heads, "total_kv_heads": total_kv_heads,
+            "parallel": _parallel(model, expand(points, num_layers), arch), "fused": _fused(arch, packed, num_layers)}
 
 
 def _feed_reference(ref: DumpReader, layer: int, rows: _StepRows):
@@ -226,6 +241,8 @@ def _gather_ranks(ranks_dir: Path, out: Path, world: int, kv_step: int, meta: di
             if how.startswith("column") and world > 1:
                 ranks = readers[::kv_step] if how == "column_kv" else readers
                 t = torch.cat([r.get(tap, p) for r in ranks], dim=-1)
+            elif how == "partial" and world > 1:
+                t = torch.stack([r.get(tap, p) for r in readers]).sum(dim=0)
             else:
                 t = readers[0].get(tap, p)
             by_group.setdefault(group, {})[key(tap, p)] = t

@@ -72,6 +72,9 @@ def render(r: dict[str, Any]) -> str:
     out.append(f"parity inspect {r['checkpoint']}")
     out.append(f"  {s['files']} file(s), {s['tensors']} tensors, {s['parameters']:,} parameters; format: {r['format']} "
                f"({s['quantized_matrices']} quantized, {s['float_matrices']} float linear matrices)")
+    a = r["architecture"]
+    out.append(f"  architecture: {a['model_type']} " + (f"({len(a['taps'])} tap rows)" if a["known"] else
+                                                       "(not one the harness knows: see the warnings)"))
     out.append("  declared quantization_config: " + (_j(r["declared_config"]) if r["declared_config"] is not None
                                                      else "none (plain floating point)"))
     if r["against"]:

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from vllm_parity.errors import CheckpointError, ParityInputError
-from vllm_parity.reference.checkpoint import Checkpoint, linear_shapes
+from vllm_parity import architectures
+from vllm_parity.reference.checkpoint import Checkpoint, linear_shapes, parameter_shapes
 from vllm_parity.reference.formats import FormatSpec
 from vllm_parity.tools.inference import registry
 from vllm_parity.tools.inference.keys import Keys
@@ -61,10 +62,12 @@ class Inspection:
         self.warnings: list[str] = []
         self.notes: list[str] = []
         self.disagreements: list[dict[str, Any]] = []
+        self.architecture = self._architecture()
         try:
             self.shapes = linear_shapes(self.ckpt.config)
+            self.params = set(parameter_shapes(self.ckpt.config))
         except CheckpointError as exc:
-            self.shapes = {}
+            self.shapes, self.params = {}, set()
             self.warnings.append(f"{self.ckpt.path}/config.json: {exc}; packed axes cannot be inferred")
         self.matrices, self.roles = scan(self.ckpt, self.shapes, self.declared)
         self.by_module = {m.module: m for m in self.matrices}
@@ -119,6 +122,16 @@ class Inspection:
         except ParityInputError as exc:
             self.failure = f"the inferred keys do not form a valid config: {exc}"
             self.warnings.append(self.failure)
+
+    def _architecture(self) -> dict[str, Any]:
+        """The family of config.json's model_type, and the architecture file the harness reads it from."""
+        model_type = self.ckpt.config.get("model_type")
+        try:
+            arch = architectures.lookup(model_type, f"{self.ckpt.path}/config.json")
+        except ParityInputError as exc:
+            self.warnings.append(str(exc))
+            return {"model_type": model_type, "known": False, "taps": []}
+        return {"model_type": model_type, "known": True, "taps": [p.tap for p in arch.taps]}
 
     def run(self) -> dict[str, Any]:
         fmt = registry.get(self.format)
@@ -244,6 +257,7 @@ class Inspection:
             "checkpoint": str(self.ckpt.path),
             "against": str(self.fck.path) if self.fck is not None else None,
             "format": self.format,
+            "architecture": self.architecture,
             "declared_config": jsonable(self.declared_raw),
             "quantization_config": config,
             "partial_config": None if config is not None or keys is None else jsonable(
@@ -264,7 +278,7 @@ class Inspection:
             "hypotheses": jsonable(self.hypotheses),
             "verification": jsonable(verification),
             "mapping": vllm_mapping(natural_sorted(self.ckpt.tensors), self.shapes, self.by_module, self.roles,
-                                    keys.values if keys else {}),
+                                    keys.values if keys else {}, self.params, self.architecture["model_type"]),
             "warnings": self.warnings,
             "notes": self.notes,
         }

@@ -17,14 +17,19 @@ _STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": 
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 _SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _ROW_PARALLEL = ("o_proj", "down_proj")
+_FUSED_ON_DISK = tuple(f".{fused}" for fused in _SHARDS)  # Phi3's q/k/v and gate/up, stored fused
 
 
 def vllm_mapping(keys: list[str], shapes: dict[str, tuple[int, int]], matrices: dict[str, Matrix],
-                 roles: dict[str, str], values: dict[str, Any]) -> list[dict[str, Any]]:
+                 roles: dict[str, str], values: dict[str, Any], params: set[str] | None = None,
+                 model_type: str | None = None) -> list[dict[str, Any]]:
     """checkpoint key -> vLLM parameter, with the merge into fused layers and the tensor-parallel split.
 
     ``values``: the resolved quantization_config keys of the checkpoint's format (empty when it has none).
+    ``params``: the parameter names of transformers' model of the checkpoint (``model_type``): a key among
+    them that no rule below merges or splits is loaded as is.
     """
+    params = params or set()
     rows_out = []
     for key in keys:
         row: dict[str, Any] = {"checkpoint_key": key, "vllm_param": key, "op": "as is", "shard": None,
@@ -44,8 +49,10 @@ def vllm_mapping(keys: list[str], shapes: dict[str, tuple[int, int]], matrices: 
             row["tp_split"] = "dim 0 (vocab)"
         elif "norm" in key.rpartition(".")[0]:
             row["tp_split"] = "replicated"
-        else:
-            row["note"] = "not a Llama parameter: vLLM's loader skips or rejects it"
+        elif key.rpartition(".")[0] in shapes and key.rpartition(".")[0].endswith(_FUSED_ON_DISK):
+            row["tp_split"] = "dim 0"  # vLLM's fused layer shards each of its parts
+        elif key not in params:
+            row["note"] = f"not a parameter of transformers' {model_type} model: vLLM's loader skips or rejects it"
     return rows_out
 
 

@@ -1,0 +1,168 @@
+"""Every dense family on the real engine, in process: stock vLLM against stock transformers (the fp
+control), this project's formats served by its vLLM plugin, and two planted faults localized to their taps.
+
+One engine serves a checkpoint's clean run and its faulty run: the faults are forward hooks planted after the
+clean capture, each computing what a broken kernel or weight loader would.
+"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from vllm_parity.architectures import lookup
+from vllm_parity.errors import FormatError
+from vllm_parity.fixtures.checkpoints import Dims, make_fixture
+from vllm_parity.harness.session import Options, ParitySession
+from vllm_parity.harness.taps import canonical_order
+from vllm_parity.reference.checkpoint import Checkpoint
+from vllm_parity.reference.formats import ternary
+
+pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+SMALL = Dims(hidden=128, layers=3, heads=2, kv_heads=1, intermediate=256, vocab=1024)
+DENSE = ["mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "minicpm3"]
+DIMS = {"minicpm3": dataclasses.replace(SMALL, kv_heads=SMALL.heads)}  # latent attention: a kv head per head
+# what each family adds to Llama's taps
+OWN_TAPS = {"qwen3": ["layers.0.attn.q_norm", "layers.0.attn.k_norm"],
+            "gemma2": ["layers.0.attn.post_norm", "layers.0.mlp.post_norm"],
+            "gemma3_text": ["layers.0.attn.q_norm", "layers.0.attn.post_norm", "layers.0.mlp.post_norm"],
+            "minicpm3": ["layers.0.attn.q_a", "layers.0.attn.q_a_norm", "layers.0.attn.kv_a", "layers.0.attn.kv_a_norm",
+                         "layers.0.attn.kv"]}
+DOWN, QKV = "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.qkv_proj"
+
+
+def _session(model, tmp_path, name, llm=None, **opts):
+    return ParitySession(Options(model=str(model), report_dir=str(tmp_path / name / "report"),
+                                 snapshot_dir=str(tmp_path / name / "snap"), root=str(tmp_path), **opts), llm=llm)
+
+
+def _every_level_passes(s, arch):
+    judgement = s.judgement()
+    taps = [t.name for t in judgement.taps]
+    assert taps == [t for t in canonical_order(SMALL.layers, lookup(arch)) if not t.endswith(".input")]
+    assert set(OWN_TAPS.get(arch, [])) <= set(taps)
+    failed = [(t.name, t.metrics.as_dict() if t.metrics else t.message) for t in judgement.taps if not t.passed]
+    assert not failed, failed
+    for check in ("greedy", "topk", "logprobs"):
+        assert s.check(check)["passed"], (check, s.check(check))
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_fp_control_at_every_level(tmp_path, arch):
+    model = make_fixture("fp", tmp_path / "fp", dims=DIMS.get(arch, SMALL), arch=arch)
+    s = _session(model, tmp_path, "fp", level="model")
+    try:
+        _every_level_passes(s, arch)
+        assert s.record().run["architecture"] == arch
+    finally:
+        s.finish()
+
+
+# gemma3_text in CI (the most quirks: a norm offset, per-head norms, a tied output embedding); the rest nightly
+@pytest.mark.parametrize("arch", [a if a == "gemma3_text" else pytest.param(a, marks=pytest.mark.nightly)
+                                  for a in DENSE if a != "phi3"])
+def test_int8x_at_every_level(tmp_path, arch):
+    model = make_fixture("int8x", tmp_path / "int8x", dims=DIMS.get(arch, SMALL), arch=arch)
+    s = _session(model, tmp_path, "int8x", level="model")
+    try:
+        _every_level_passes(s, arch)
+    finally:
+        s.finish()
+
+
+def _plant(model, flipped_down: torch.Tensor | None, kv: int):
+    """Layer 0's down projection decodes with the other bit order; layer 1's fused q/k/v output (where the
+    family has one) has its k and v slices exchanged."""
+    def down(mod, args, out):
+        y = args[0] @ flipped_down.to(args[0].dtype).T
+        return (y, *out[1:]) if isinstance(out, tuple) else y
+
+    def qkv(mod, args, out):
+        y = out[0] if isinstance(out, tuple) else out
+        q, k, v = y.split([y.shape[-1] - 2 * kv, kv, kv], dim=-1)
+        y = torch.cat([q, v, k], dim=-1)
+        return (y, *out[1:]) if isinstance(out, tuple) else y
+
+    if flipped_down is not None:
+        model.get_submodule(DOWN).register_forward_hook(down)
+    if QKV in dict(model.named_modules()):
+        model.get_submodule(QKV).register_forward_hook(qkv)
+    return True
+
+
+def _faulty_run(model, tmp_path, llm, flipped_down, kv):
+    """The sources and the (tap, kind) hints of an isolated run on ``llm`` with the faults planted."""
+    llm.apply_model(lambda m: _plant(m, flipped_down, kv))
+    faulty = _session(model, tmp_path, "faulty", llm=llm, level="op", mode="isolated")
+    try:
+        return ([t.name for t in faulty.judgement().taps if t.role == "source"],
+                {(h.tap, h.kind) for h in faulty.diagnosis().hints})
+    finally:
+        faulty.finish()
+
+
+@pytest.mark.parametrize("arch", [a for a in DENSE if a != "phi3"])
+def test_ternary_passes_and_planted_faults_are_localized(tmp_path, arch):
+    dims = DIMS.get(arch, SMALL)
+    model = make_fixture("seed-article", tmp_path / "t", dims=dims, arch=arch)
+    clean = _session(model, tmp_path, "clean", level="model")
+    try:
+        _every_level_passes(clean, arch)
+        llm = clean.hand_over()
+    finally:
+        clean.finish()
+    ckpt = Checkpoint(model)
+    n, k = ckpt.linear_shapes()[DOWN]
+    flipped = dataclasses.replace(ckpt.spec, bit_order="msb" if ckpt.spec.bit_order == "lsb" else "lsb")
+    w = ternary.decode(ckpt.tensor(f"{DOWN}.{flipped.weight_name}"), ckpt.tensor(f"{DOWN}.{flipped.scale_name}"),
+                       flipped, n, k)
+    kv = dims.kv_heads * dims.hidden // dims.heads
+    sources, hints = _faulty_run(model, tmp_path, llm, w, kv)
+    assert ("layers.0.mlp.down", "bit_order") in hints
+    if arch == "minicpm3":  # latent attention: no fused q/k/v to misplace
+        assert sources == ["layers.0.mlp.down"]
+        return
+    assert sources == ["layers.0.mlp.down", "layers.1.attn.k", "layers.1.attn.v"]
+    assert ("layers.1.attn.k", "slices_swapped") in hints and ("layers.1.attn.v", "slices_swapped") in hints
+
+
+def test_swapped_slices_of_a_projection_fused_on_disk_are_named(tmp_path):
+    """Phi3 fuses q/k/v in transformers too: the harness splits both sides, so a k/v swap is still named."""
+    model = make_fixture("fp", tmp_path / "phi3", dims=SMALL, arch="phi3")
+    clean = _session(model, tmp_path, "clean", level="op")
+    try:
+        llm = clean.hand_over()
+    finally:
+        clean.finish()
+    sources, hints = _faulty_run(model, tmp_path, llm, None, SMALL.kv_heads * SMALL.hidden // SMALL.heads)
+    assert sources == ["layers.1.attn.k", "layers.1.attn.v"]
+    assert ("layers.1.attn.k", "slices_swapped") in hints and ("layers.1.attn.v", "slices_swapped") in hints
+
+
+def test_minicpm3s_latent_norms_take_another_epsilon_in_transformers(tmp_path):
+    """transformers builds MiniCPM3's q_a / kv_a norms with their class's default epsilon (1e-6), vLLM with
+    the config's rms_norm_eps: on a config that says 1e-5 the harness finds them, and only them, as sources."""
+    dims = DIMS["minicpm3"]
+    model = make_fixture("fp", tmp_path / "m", dims=dims, arch="minicpm3")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}, indent=2, sort_keys=True))
+    s = _session(model, tmp_path, "eps", level="op", mode="isolated")
+    try:
+        sources = {t.name for t in s.judgement().taps if t.role == "source"}
+    finally:
+        s.finish()
+    assert {f"layers.{i}.attn.{n}" for i in range(dims.layers) for n in ("q_a_norm", "kv_a_norm")} <= sources
+    assert not {t for t in sources if t.rsplit(".", 1)[-1] not in ("q_a_norm", "kv_a_norm", "gate", "up")}, sources
+
+
+def test_a_projection_fused_on_disk_is_refused_by_the_quantized_methods(tmp_path):
+    """Phi3 stores q/k/v as one module; the plugin's methods load vLLM's fused layers from separate modules."""
+    from vllm_parity.harness.engine import make_llm
+
+    model = make_fixture("seed-article", tmp_path / "phi3", dims=SMALL, arch="phi3")
+    with pytest.raises(FormatError, match=r"model\.layers\.0\.self_attn\.qkv_proj: vLLM fuses 3 tensors here, "
+                                          r"the quantization config maps it to 1 checkpoint modules"):
+        make_llm(model)
