@@ -31,7 +31,11 @@ OWN_TAPS = {"qwen3": ["layers.0.attn.q_norm", "layers.0.attn.k_norm"],
             "gemma3_text": ["layers.0.attn.q_norm", "layers.0.attn.post_norm", "layers.0.mlp.post_norm"],
             "minicpm3": ["layers.0.attn.q_a", "layers.0.attn.q_a_norm", "layers.0.attn.kv_a", "layers.0.attn.kv_a_norm",
                          "layers.0.attn.kv"]}
-DOWN, QKV = "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.qkv_proj"
+# every family has these two; MoE and BitNet families are judged here for the two classic faults too
+O_PROJ, QKV = "model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.qkv_proj"
+FAULTED = [a for a in DENSE if a != "phi3"] + ["bitnet", "mixtral",
+                                                pytest.param("qwen2_moe", marks=pytest.mark.nightly),
+                                                pytest.param("qwen3_moe", marks=pytest.mark.nightly)]
 
 
 def _session(model, tmp_path, name, llm=None, **opts):
@@ -42,11 +46,11 @@ def _session(model, tmp_path, name, llm=None, **opts):
 def _every_level_passes(s, arch):
     judgement = s.judgement()
     taps = [t.name for t in judgement.taps]
-    assert taps == [t for t in canonical_order(SMALL.layers, lookup(arch)) if not t.endswith(".input")]
+    assert taps == [t for t in canonical_order(SMALL.layers, lookup(arch), s.ckpt.config) if not t.endswith(".input")]
     assert set(OWN_TAPS.get(arch, [])) <= set(taps)
     failed = [(t.name, t.metrics.as_dict() if t.metrics else t.message) for t in judgement.taps if not t.passed]
     assert not failed, failed
-    for check in ("greedy", "topk", "logprobs"):
+    for check in ("greedy", "topk", "logprobs", *s.op_checks()):
         assert s.check(check)["passed"], (check, s.check(check))
 
 
@@ -73,11 +77,11 @@ def test_int8x_at_every_level(tmp_path, arch):
         s.finish()
 
 
-def _plant(model, flipped_down: torch.Tensor | None, kv: int):
-    """Layer 0's down projection decodes with the other bit order; layer 1's fused q/k/v output (where the
-    family has one) has its k and v slices exchanged."""
-    def down(mod, args, out):
-        y = args[0] @ flipped_down.to(args[0].dtype).T
+def _plant(model, flipped: torch.Tensor | None, kv: int):
+    """Layer 0's o_proj decodes with the other bit order; layer 1's fused q/k/v output (where the family has
+    one) has its k and v slices exchanged."""
+    def o_proj(mod, args, out):
+        y = args[0] @ flipped.to(args[0].dtype).T
         return (y, *out[1:]) if isinstance(out, tuple) else y
 
     def qkv(mod, args, out):
@@ -86,16 +90,16 @@ def _plant(model, flipped_down: torch.Tensor | None, kv: int):
         y = torch.cat([q, v, k], dim=-1)
         return (y, *out[1:]) if isinstance(out, tuple) else y
 
-    if flipped_down is not None:
-        model.get_submodule(DOWN).register_forward_hook(down)
+    if flipped is not None:
+        model.get_submodule(O_PROJ).register_forward_hook(o_proj)
     if QKV in dict(model.named_modules()):
         model.get_submodule(QKV).register_forward_hook(qkv)
     return True
 
 
-def _faulty_run(model, tmp_path, llm, flipped_down, kv):
+def _faulty_run(model, tmp_path, llm, flipped, kv):
     """The sources and the (tap, kind) hints of an isolated run on ``llm`` with the faults planted."""
-    llm.apply_model(lambda m: _plant(m, flipped_down, kv))
+    llm.apply_model(lambda m: _plant(m, flipped, kv))
     faulty = _session(model, tmp_path, "faulty", llm=llm, level="op", mode="isolated")
     try:
         return ([t.name for t in faulty.judgement().taps if t.role == "source"],
@@ -104,7 +108,7 @@ def _faulty_run(model, tmp_path, llm, flipped_down, kv):
         faulty.finish()
 
 
-@pytest.mark.parametrize("arch", [a for a in DENSE if a != "phi3"])
+@pytest.mark.parametrize("arch", FAULTED)
 def test_ternary_passes_and_planted_faults_are_localized(tmp_path, arch):
     dims = DIMS.get(arch, SMALL)
     model = make_fixture("seed-article", tmp_path / "t", dims=dims, arch=arch)
@@ -115,17 +119,17 @@ def test_ternary_passes_and_planted_faults_are_localized(tmp_path, arch):
     finally:
         clean.finish()
     ckpt = Checkpoint(model)
-    n, k = ckpt.linear_shapes()[DOWN]
+    n, k = ckpt.linear_shapes()[O_PROJ]
     flipped = dataclasses.replace(ckpt.spec, bit_order="msb" if ckpt.spec.bit_order == "lsb" else "lsb")
-    w = ternary.decode(ckpt.tensor(f"{DOWN}.{flipped.weight_name}"), ckpt.tensor(f"{DOWN}.{flipped.scale_name}"),
-                       flipped, n, k)
+    w = ternary.decode(ckpt.tensor(f"{O_PROJ}.{flipped.weight_name}"),
+                       ckpt.tensor(f"{O_PROJ}.{flipped.scale_name}"), flipped, n, k)
     kv = dims.kv_heads * dims.hidden // dims.heads
     sources, hints = _faulty_run(model, tmp_path, llm, w, kv)
-    assert ("layers.0.mlp.down", "bit_order") in hints
+    assert ("layers.0.attn.o", "bit_order") in hints
     if arch == "minicpm3":  # latent attention: no fused q/k/v to misplace
-        assert sources == ["layers.0.mlp.down"]
+        assert sources == ["layers.0.attn.o"]
         return
-    assert sources == ["layers.0.mlp.down", "layers.1.attn.k", "layers.1.attn.v"]
+    assert sources == ["layers.0.attn.o", "layers.1.attn.k", "layers.1.attn.v"]
     assert ("layers.1.attn.k", "slices_swapped") in hints and ("layers.1.attn.v", "slices_swapped") in hints
 
 
