@@ -87,3 +87,33 @@ def pytest_configure(config):
 
     register_quantization_config("ternary")(ZooConfig)
 '''
+
+
+def tensor_parallel_dumps(model, arch: str, prompts, root, each=None) -> dict:
+    """vLLM's dumps of ``prompts`` at TP1 and TP2, ``{tp: DumpReader}``; ``each(llm, tp)`` runs on each engine."""
+    from vllm_parity.architectures import lookup
+    from vllm_parity.harness import vllm_side
+    from vllm_parity.harness.engine import close_llm, make_llm
+
+    dumps = {}
+    for tp in (1, 2):
+        llm = make_llm(model, tensor_parallel_size=tp)
+        try:
+            if each is not None:
+                each(llm, tp)
+            dumps[tp] = vllm_side.capture(llm, lookup(arch), prompts, root / f"tp{tp}")
+        finally:
+            close_llm(llm)
+    return dumps
+
+
+def assert_same_dumps(one, two, tol: float = 1e-4) -> None:
+    """Two dumps of one model, TP2 gathered against TP1: every tap of every prompt, same shape, within ``tol``."""
+    import torch
+
+    assert two.manifest["tensor_parallel_size"] == 2 and one.taps() == two.taps()
+    for tap in one.taps():
+        for p in one.prompts(tap):
+            a, b = one.get(tap, p), two.get(tap, p)
+            assert a.shape == b.shape, tap
+            torch.testing.assert_close(b, a, rtol=tol, atol=tol, msg=lambda m: f"{tap}@{p}: {m}")

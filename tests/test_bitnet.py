@@ -3,11 +3,6 @@ plugin's vLLM model of it (vLLM has none) against transformers' ``BitNetForCausa
 
 import importlib.util
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 import tomllib
 
 import pytest
@@ -223,28 +218,20 @@ def test_tensor_parallel_dumps_equal_single_rank_and_generate_the_reference(fixt
     """Under TP the sub-norms see sharded features: their taps (and every other) equal the single-rank ones,
     and both engines (``LLM.generate``) continue the prompts as transformers' BitNet does."""
     from vllm_parity.fixtures.prompts import load_prompts
-    from vllm_parity.harness import vllm_side
-    from vllm_parity.harness.engine import close_llm, generate, make_llm
+    from vllm_parity.harness.engine import generate
 
-    prompts = load_prompts()[:2]
-    dumps, tokens = {}, {}
-    for tp in (1, 2):
-        llm = make_llm(fixtures["seed-article"], tensor_parallel_size=tp)
-        try:
-            assert llm.collective_rpc(_model_class) == \
-                ["vllm_parity.serving.vllm.models.bitnet:BitNetForCausalLM"] * tp
-            dumps[tp] = vllm_side.capture(llm, lookup("bitnet"), prompts, tmp_path / f"tp{tp}")
-            tokens[tp] = [list(o.outputs[0].token_ids) for o in generate(llm, prompts, max_tokens=8)]
-        finally:
-            close_llm(llm)
+    from tests.engine_runs import assert_same_dumps, tensor_parallel_dumps
+
+    prompts, tokens = load_prompts()[:2], {}
+
+    def each(llm, tp):
+        assert llm.collective_rpc(_model_class) == ["vllm_parity.serving.vllm.models.bitnet:BitNetForCausalLM"] * tp
+        tokens[tp] = [list(o.outputs[0].token_ids) for o in generate(llm, prompts, max_tokens=8)]
+
+    dumps = tensor_parallel_dumps(fixtures["seed-article"], "bitnet", prompts, tmp_path, each)
     one, two = dumps[1], dumps[2]
-    assert two.manifest["tensor_parallel_size"] == 2 and one.taps() == two.taps()
     assert {"layers.2.attn.sub_norm", "layers.2.mlp.sub_norm"} <= set(one.taps())
-    for tap in one.taps():
-        for p in one.prompts(tap):
-            a, b = one.get(tap, p), two.get(tap, p)
-            assert a.shape == b.shape, tap
-            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=lambda m: f"{tap}@{p}: {m}")
+    assert_same_dumps(one, two)
     assert tokens[1] == tokens[2] == _reference_greedy(fixtures["seed-article"], prompts, 8)
 
 
@@ -252,38 +239,11 @@ def test_tensor_parallel_dumps_equal_single_rank_and_generate_the_reference(fixt
 def test_openai_server_serves_a_bitnet_checkpoint_from_the_entry_point(fixtures, tmp_path):
     """``vllm serve`` (module form) of an hf-bitnet BitNet checkpoint, started outside the repository: the
     entry point alone registers the model class and the quantization method."""
-    from tests.test_vllm_serve import START_TIMEOUT_S, _free_port, _get, _post
+    from tests.test_vllm_serve import serve_completion
 
     model, prompt, new_tokens = str(fixtures["hf-bitnet"]), [1, 5, 77, 300, 12, 9, 64, 100], 8
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-           "--max-model-len", "128", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
-           "--max-num-batched-tokens", "1024"]
     log_path = tmp_path / "server.log"
-    with log_path.open("w") as log:
-        server = subprocess.Popen(cmd, cwd="/", env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while _get(f"{base}/health") != 200:
-            tail = log_path.read_text()[-3000:]
-            assert server.poll() is None, f"server exited with {server.returncode}:\n{tail}"
-            assert time.monotonic() < deadline, f"server not healthy after {START_TIMEOUT_S} s:\n{tail}"
-            time.sleep(1.0)
-        reply = _post(f"{base}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": new_tokens,
-                                                 "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait(timeout=30)
+    reply = serve_completion(model, prompt, new_tokens, log_path)
     assert "Resolved architecture: BitNetForCausalLM" in log_path.read_text()  # not the Transformers backend
     choice = reply["choices"][0]
     assert choice["finish_reason"] == "length", reply

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm_parity.fixtures.checkpoints import Dims, make_fixture
-from tests.engine_runs import ZOO_PLUGIN
+from tests.engine_runs import ZOO_PLUGIN, assert_same_dumps, tensor_parallel_dumps
 from tests.engine_runs import report as _report
 from tests.engine_runs import run as _run
 
@@ -70,26 +70,10 @@ def test_golden_gate_on_the_embedded_default(pytester):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: per-head norms, sharded by head as q and k are
 def test_tensor_parallel_dumps_equal_single_rank(tmp_path, arch):
     from vllm_parity.fixtures.prompts import load_prompts
-    from vllm_parity.harness.engine import close_llm, make_llm
-    from vllm_parity.architectures import lookup
-    from vllm_parity.harness import vllm_side
 
     model = make_fixture("seed-article", tmp_path / "m", dims=SMALL, arch=arch)
-    prompts = load_prompts()[:2]
-    dumps = {}
-    for tp in (1, 2):
-        llm = make_llm(model, tensor_parallel_size=tp)
-        try:
-            dumps[tp] = vllm_side.capture(llm, lookup(arch), prompts, tmp_path / f"tp{tp}")
-        finally:
-            close_llm(llm)
-    one, two = dumps[1], dumps[2]
-    assert two.manifest["tensor_parallel_size"] == 2 and one.taps() == two.taps()
-    for tap in one.taps():
-        for p in one.prompts(tap):
-            a, b = one.get(tap, p), two.get(tap, p)
-            assert a.shape == b.shape, tap
-            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=lambda m: f"{tap}@{p}: {m}")
+    dumps = tensor_parallel_dumps(model, arch, load_prompts()[:2], tmp_path)
+    assert_same_dumps(dumps[1], dumps[2])
     shutil.rmtree(tmp_path / "m")
 
 

@@ -406,29 +406,16 @@ def test_tensor_parallel_moe_dumps_equal_single_rank(tmp_path):
     the block's output is reduced inside it; the shared expert leaves its down projection unreduced, a
     partial sum on each rank): the gathered dumps equal one rank's."""
     arch = "qwen2_moe"
-    from vllm_parity.architectures import lookup
     from vllm_parity.fixtures.prompts import load_prompts
-    from vllm_parity.harness import vllm_side
-    from vllm_parity.harness.engine import close_llm, make_llm
+
+    from tests.engine_runs import assert_same_dumps, tensor_parallel_dumps
 
     model = make_fixture("fp", tmp_path / "m", dims=SMALL, arch=arch)
-    prompts = load_prompts()[:2]
-    dumps = {}
-    for tp in (1, 2):
-        llm = make_llm(model, tensor_parallel_size=tp)
-        try:
-            dumps[tp] = vllm_side.capture(llm, lookup(arch), prompts, tmp_path / f"tp{tp}")
-        finally:
-            close_llm(llm)
+    dumps = tensor_parallel_dumps(model, arch, load_prompts()[:2], tmp_path)
     one, two = dumps[1], dumps[2]
-    assert two.manifest["tensor_parallel_size"] == 2 and one.taps() == two.taps()
     assert {"layers.1.moe.router", "layers.1.moe.shared", "layers.1.moe.out"} <= set(one.taps())
     assert two.manifest["parallel"]["layers.1.moe.shared"] == "partial"
-    for tap in one.taps():
-        for p in one.prompts(tap):
-            a, b = one.get(tap, p), two.get(tap, p)
-            assert a.shape == b.shape, tap
-            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=lambda m: f"{tap}@{p}: {m}")
+    assert_same_dumps(one, two)
 
 
 def _experts_layer(experts: int):
