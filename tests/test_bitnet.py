@@ -21,11 +21,14 @@ LAYER = ["input", "attn.norm", "attn.q", "attn.k", "attn.v", "attn.context", "at
          "mlp.norm", "mlp.gate", "mlp.up", "mlp.act", "mlp.sub_norm", "mlp.down", "output"]
 # hf-bitnet quantizes every projection's input per token to int8. Where a correct candidate's input differs
 # from the reference's by fp32 rounding on a rounding boundary, one activation code flips and moves that
-# token's outputs by one code step: on this fixture one token (prompt 1, position 56) has layers.2.mlp.up 2.5e-3
-# off, mlp.down (after relu²) 6.3e-3 with elements within 9.9e-3 of its row scale, the logits 1.8e-3 and its
-# log-probs 3.2e-3 nats; every other row stays near 3e-7. These bounds sit 3x above that; a wrong code, layout
-# or scale moves a tap by 0.1 and more.
+# token's outputs by one code step. On this fixture exactly one code flips in layer 1: layers.1.attn.sub_norm
+# (o_proj's input) at prompt 1, position 29, 1e-6 off a boundary. attn.o's token error goes from 3e-7 to 1.7e-3,
+# layers.1.output's to 3.4e-3 (17x the growth floor, 1 % of token_rtol), and downstream the flipped token's
+# codes differ more at each quantized input (2 in mlp.norm, 13 in mlp.sub_norm), up to a row error of 6.5e-2
+# in layer 2's mlp.down when errors propagate. Fed the reference's input (isolated), every layer stays within
+# these bounds; a wrong code, layout or scale moves a tap by 0.1 and more.
 HF_BITNET_TOLERANCES = tolerances.parse(tomllib.loads("""
+max_growth = 30
 [tolerances]
 "*" = { token_rtol = 2e-2, row_rtol = 3e-2, rtol = 3e-2 }
 logprobs = { atol = 1e-2 }
@@ -178,19 +181,31 @@ def test_fp_control_passes_every_tap_and_planted_sub_norm_faults_are_the_sources
 
 # hf-bitnet (BitNet's own format) in CI; the project's seed-article and int8x formats nightly
 @engine
-# hf-bitnet: a known divergence, kept visible: since the fused-MoE and bias changes, layer 2's mlp.down differs by a
-# token error of 0.0224 (bound 0.02) at prompt 1, position 34, and layer 1's output error grows 16.9x; not yet traced
-@pytest.mark.parametrize("fmt", [pytest.param("hf-bitnet", marks=pytest.mark.xfail(
-                                     strict=True, reason="hf-bitnet BitNet: layer 2's mlp.down beyond tolerance, untraced")),
-                                 pytest.param("seed-article", marks=pytest.mark.nightly),
+@pytest.mark.parametrize("fmt", ["hf-bitnet", pytest.param("seed-article", marks=pytest.mark.nightly),
                                  pytest.param("int8x", marks=pytest.mark.nightly)])
 def test_quantized_bitnet_passes_block_and_model_levels(fixtures, tmp_path, fmt):
-    opts = {"tolerances": HF_BITNET_TOLERANCES} if fmt == "hf-bitnet" else {}
-    s = _session(fixtures[fmt], tmp_path, fmt, level="model", **opts)
+    """The project's formats pass every tap. hf-bitnet's int8 activations make a propagated comparison
+    chaotic (see HF_BITNET_TOLERANCES): there every layer fed the reference's input passes, no tap is a
+    source, and the model's tokens and log-probs agree."""
+    if fmt != "hf-bitnet":
+        s = _session(fixtures[fmt], tmp_path, fmt, level="model")
+        try:
+            assert _every_level_passes(s).run["format"] == ("int8x" if fmt == "int8x" else "ternary")
+        finally:
+            s.finish()
+        return
+    s = _session(fixtures[fmt], tmp_path, fmt, level="model", mode="isolated", tolerances=HF_BITNET_TOLERANCES)
     try:
-        record = _every_level_passes(s)
-        assert record.run["format"] == ("int8x" if fmt == "int8x" else "ternary")
-        assert s.check("greedy")["passed"] and s.check("topk")["agree"] == 4 * 64
+        judgement = s.judgement()
+        assert len(judgement.taps) == 1 + SMALL.layers * OP_TAPS + SMALL.layers + 2
+        assert all(t.isolated is not None for t in judgement.taps if t.layer is not None)
+        failed = [(t.name, t.isolated.message) for t in judgement.taps if t.isolated is not None and not t.isolated.passed]
+        assert not failed, failed
+        assert [t.name for t in judgement.taps if t.role == "source"] == []
+        for check in ("greedy", "topk", "logprobs"):
+            assert s.check(check)["passed"], (check, s.check(check))
+        assert s.check("topk")["agree"] == 4 * 64
+        assert s.record().run["format"] == "ternary"
     finally:
         s.finish()
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from vllm_parity.architectures import lookup
-from vllm_parity.errors import FormatError
 from vllm_parity.fixtures.checkpoints import Dims, make_fixture
 from vllm_parity.harness.session import Options, ParitySession
 from vllm_parity.harness.taps import canonical_order
@@ -33,7 +32,7 @@ OWN_TAPS = {"qwen3": ["layers.0.attn.q_norm", "layers.0.attn.k_norm"],
                          "layers.0.attn.kv"]}
 # every family has these two; MoE and BitNet families are judged here for the two classic faults too
 O_PROJ, QKV = "model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.qkv_proj"
-FAULTED = [a for a in DENSE if a != "phi3"] + ["bitnet", "mixtral",
+FAULTED = DENSE + ["bitnet", "mixtral",
                                                 pytest.param("qwen2_moe", marks=pytest.mark.nightly),
                                                 pytest.param("qwen3_moe", marks=pytest.mark.nightly)]
 
@@ -65,9 +64,10 @@ def test_fp_control_at_every_level(tmp_path, arch):
         s.finish()
 
 
-# gemma3_text in CI (the most quirks: a norm offset, per-head norms, a tied output embedding); the rest nightly
-@pytest.mark.parametrize("arch", [a if a == "gemma3_text" else pytest.param(a, marks=pytest.mark.nightly)
-                                  for a in DENSE if a != "phi3"])
+# in CI gemma3_text (the most quirks: a norm offset, per-head norms, a tied output embedding) and phi3 (q/k/v
+# and gate/up fused on disk, one int8x tensor each); the rest nightly
+@pytest.mark.parametrize("arch", [a if a in ("gemma3_text", "phi3") else pytest.param(a, marks=pytest.mark.nightly)
+                                  for a in DENSE])
 def test_int8x_at_every_level(tmp_path, arch):
     model = make_fixture("int8x", tmp_path / "int8x", dims=DIMS.get(arch, SMALL), arch=arch)
     s = _session(model, tmp_path, "int8x", level="model")
@@ -160,13 +160,3 @@ def test_minicpm3s_latent_norms_take_another_epsilon_in_transformers(tmp_path):
         s.finish()
     assert {f"layers.{i}.attn.{n}" for i in range(dims.layers) for n in ("q_a_norm", "kv_a_norm")} <= sources
     assert not {t for t in sources if t.rsplit(".", 1)[-1] not in ("q_a_norm", "kv_a_norm", "gate", "up")}, sources
-
-
-def test_a_projection_fused_on_disk_is_refused_by_the_quantized_methods(tmp_path):
-    """Phi3 stores q/k/v as one module; the plugin's methods load vLLM's fused layers from separate modules."""
-    from vllm_parity.harness.engine import make_llm
-
-    model = make_fixture("seed-article", tmp_path / "phi3", dims=SMALL, arch="phi3")
-    with pytest.raises(FormatError, match=r"model\.layers\.0\.self_attn\.qkv_proj: vLLM fuses 3 tensors here, "
-                                          r"the quantization config maps it to 1 checkpoint modules"):
-        make_llm(model)

@@ -610,3 +610,19 @@ def test_an_unknown_family_is_named_with_the_known_ones(tmp_path):
     _, report, _ = inspect_json(path)
     assert report["architecture"]["model_type"] == "gpt_neox" and not report["architecture"]["known"]
     assert any("model_type 'gpt_neox' is not an architecture the harness knows" in w for w in report["warnings"])
+
+
+@pytest.mark.parametrize("fmt", ["seed-article", "fp"])
+def test_expert_keys_map_to_vllms_fused_expert_parameters(tmp_path, fmt):
+    """One tensor per expert on disk; vLLM's FusedMoE holds w1 and w3 in ``w13_<suffix>`` and w2 in
+    ``w2_<suffix>``, one slice per expert (vLLM's own expert mapping)."""
+    path = make_fixture(fmt, tmp_path / fmt, dims=DIMS, arch="mixtral")
+    _, report, _ = inspect_json(path)
+    rows = {r["checkpoint_key"]: r for r in report["mapping"]}
+    suffix = "weight_ternary" if fmt == "seed-article" else "weight"
+    experts = "model.layers.0.block_sparse_moe.experts"
+    for proj, param, shard in (("w1", "w13", "w1"), ("w3", "w13", "w3"), ("w2", "w2", "w2")):
+        row = rows[f"{experts}.3.{proj}.{suffix}"]
+        assert (row["vllm_param"], row["op"], row["shard"], row["note"]) == (f"{experts}.{param}_{suffix}", "merge",
+                                                                             shard, "expert 3"), row
+    assert rows[f"{experts}.0.w2.{suffix}"]["tp_split"] == ("dim 1" if fmt == "fp" else "not split")

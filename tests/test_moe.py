@@ -374,6 +374,7 @@ def test_the_routing_item_names_the_first_disagreement(pytester, tmp_path):
 
 @pytest.mark.parametrize("fmt, arch", [("seed-article", "mixtral"), ("int8x", "mixtral"),
                                        pytest.param("seed-article", "qwen2_moe", marks=pytest.mark.nightly),
+                                       pytest.param("int8x", "qwen2_moe", marks=pytest.mark.nightly),
                                        pytest.param("int8x", "qwen3_moe", marks=pytest.mark.nightly)])
 @pytest.mark.vllm
 @pytest.mark.slow

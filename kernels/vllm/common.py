@@ -148,6 +148,10 @@ def layer_shards(layer: torch.nn.Module, modules: list[str]) -> list[Shard]:
         sizes = [int(s) for s in layer.output_sizes]
     else:
         sizes = [int(layer.output_size)]
+    if len(modules) == 1 and len(sizes) > 1:
+        # fused in the checkpoint too (Phi3's qkv_proj, gate_up_proj): one tensor of the layer's whole width,
+        # which vLLM's loader splits into its logical shards (shard id None)
+        return [Shard(modules[0], sum(sizes), k)]
     if len(sizes) != len(modules):
         raise FormatError(f"{layer.prefix}: vLLM fuses {len(sizes)} tensors here, the quantization config "
                           f"maps it to {len(modules)} checkpoint modules {modules}")

@@ -85,7 +85,8 @@ class TernaryLinearMethod(LinearMethodBase):
         tracker = LoadTracker(layer, shards, "ternary")
         layer.parity_tracker = tracker
         layer.parity_n, layer.parity_k = n, k
-        layer.parity_partitions = list(output_partition_sizes)
+        # the per-rank rows of each checkpoint tensor: one for a tensor fused on disk
+        layer.parity_partitions = [n] if len(shards) == 1 else list(output_partition_sizes)
 
         def check_packed(tensor: str, s: Shard, t: torch.Tensor) -> torch.Tensor:
             tracker.check(tensor, t, spec.packed_shape(s.n, s.k), (torch.uint8,),
@@ -114,8 +115,8 @@ class TernaryLinearMethod(LinearMethodBase):
 
         scale_loader = tracker.wrap(layer, spec.scale_name, weight_loader, check_scale)
         if spec.scale_granularity == "tensor":
-            # One slot per fused tensor: q, k and v each carry their own scale.
-            scale = PerTensorScaleParameter(data=torch.empty(len(output_partition_sizes), dtype=torch.float32),
+            # One slot per checkpoint tensor: q, k and v each carry their own scale (one fused on disk, one).
+            scale = PerTensorScaleParameter(data=torch.empty(len(shards), dtype=torch.float32),
                                             weight_loader=scale_loader)
         elif spec.scale_granularity == "channel":
             scale = ChannelQuantScaleParameter(data=torch.empty(n, dtype=torch.float32), output_dim=0,
