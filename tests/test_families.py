@@ -160,3 +160,17 @@ def test_minicpm3s_latent_norms_take_another_epsilon_in_transformers(tmp_path):
         s.finish()
     assert {f"layers.{i}.attn.{n}" for i in range(dims.layers) for n in ("q_a_norm", "kv_a_norm")} <= sources
     assert not {t for t in sources if t.rsplit(".", 1)[-1] not in ("q_a_norm", "kv_a_norm", "gate", "up")}, sources
+
+
+@pytest.mark.nightly
+def test_tensor_parallel_of_ternary_tensors_fused_on_disk(tmp_path):
+    """Phi3's ternary qkv_proj and gate_up_proj, one checkpoint tensor each: vLLM's loader splits each into its
+    logical shards and every rank takes its rows of each; the gathered dumps equal one rank's."""
+    from vllm_parity.fixtures.prompts import load_prompts
+
+    from tests.engine_runs import assert_same_dumps, tensor_parallel_dumps
+
+    model = make_fixture("seed-article", tmp_path / "phi3", dims=SMALL, arch="phi3")
+    dumps = tensor_parallel_dumps(model, "phi3", load_prompts()[:2], tmp_path)
+    assert {"layers.1.attn.k", "layers.1.mlp.up"} <= set(dumps[1].taps())
+    assert_same_dumps(dumps[1], dumps[2])

@@ -402,16 +402,17 @@ def test_quantized_experts_pass_every_level(tmp_path, fmt, arch):
 @pytest.mark.vllm
 @pytest.mark.slow
 @NEEDS_VLLM
-def test_tensor_parallel_moe_dumps_equal_single_rank(tmp_path):
+@pytest.mark.parametrize("fmt, arch", [("fp", "qwen2_moe"),
+                                       pytest.param("seed-article", "qwen2_moe", marks=pytest.mark.nightly)])
+def test_tensor_parallel_moe_dumps_equal_single_rank(tmp_path, fmt, arch):
     """Qwen2-MoE's experts split over two ranks (each holds a slice of every expert's intermediate features;
     the block's output is reduced inside it; the shared expert leaves its down projection unreduced, a
-    partial sum on each rank): the gathered dumps equal one rank's."""
-    arch = "qwen2_moe"
+    partial sum on each rank): the gathered dumps equal one rank's, stock and with ternary experts."""
     from vllm_parity.fixtures.prompts import load_prompts
 
     from tests.engine_runs import assert_same_dumps, tensor_parallel_dumps
 
-    model = make_fixture("fp", tmp_path / "m", dims=SMALL, arch=arch)
+    model = make_fixture(fmt, tmp_path / "m", dims=SMALL, arch=arch)
     dumps = tensor_parallel_dumps(model, arch, load_prompts()[:2], tmp_path)
     one, two = dumps[1], dumps[2]
     assert {"layers.1.moe.router", "layers.1.moe.shared", "layers.1.moe.out"} <= set(one.taps())
@@ -419,12 +420,13 @@ def test_tensor_parallel_moe_dumps_equal_single_rank(tmp_path):
     assert_same_dumps(one, two)
 
 
-def _experts_layer(experts: int):
+def _experts_layer(experts: int, tp_size: int = 1, tp_rank: int = 0):
     """A stand-in for vLLM's RoutedExperts: what the method reads of it."""
     from types import SimpleNamespace
 
     layer = torch.nn.Module()
-    layer.moe_config = SimpleNamespace(moe_parallel_config=SimpleNamespace(tp_size=1, use_ep=False))
+    layer.moe_config = SimpleNamespace(moe_parallel_config=SimpleNamespace(tp_size=tp_size, tp_rank=tp_rank,
+                                                                           use_ep=False))
     layer.activation, layer.global_num_experts = "silu", experts
     layer.ckpt_gate_proj_name, layer.ckpt_down_proj_name, layer.ckpt_up_proj_name = "w1", "w2", "w3"
     return layer
@@ -449,7 +451,7 @@ PREFIX = "model.layers.0.block_sparse_moe.experts"
 def test_moe_methods_decode_each_expert_as_the_reference(data):
     """Any ternary variant (no activation quantization) or int8x, any expert count and sizes: the serving
     side's stacked experts equal the reference's decoding of each, and the product equals the dense
-    mixture."""
+    mixture; under tensor parallelism a rank holds its slice of every expert's intermediate features."""
     import numpy as np
 
     from tests.strategies import ternary_specs
@@ -483,8 +485,12 @@ def test_moe_methods_decode_each_expert_as_the_reference(data):
                 q, scale = int8_weight(rng, n, k)
                 stored[(e, shard)] = int8x.encode(q, scale, spec)
                 want[(e, shard)] = int8x.decode(stored[(e, shard)], spec)
-    layer = _experts_layer(experts)
-    method.create_weights(layer, experts, h, i, torch.float32)
+    tp = data.draw(st.sampled_from([d for d in (1, 2, 4) if i % d == 0]))
+    rank = data.draw(st.integers(0, tp - 1))
+    part = slice(rank * i // tp, (rank + 1) * i // tp)
+    want = {(e, s): w[:, part] if s == "w2" else w[part] for (e, s), w in want.items()}
+    layer = _experts_layer(experts, tp, rank)
+    method.create_weights(layer, experts, h, i // tp, torch.float32)
     _load_experts(method, layer, stored)
     for e in range(experts):
         assert torch.equal(layer.parity_w13[e], torch.cat([want[(e, "w1")], want[(e, "w3")]]))

@@ -4,8 +4,9 @@ Each expert's projections arrive as the checkpoint stores them, one tensor set p
 through vLLM's own expert mapping (``experts.{e}.w1.<suffix>`` -> parameter ``w13_<suffix>``, shard ``w1``, expert
 ``e``); each is kept as loaded, checked complete, decoded once to fp32 by the serving side's own decoders
 and stacked into vLLM's ``w13`` / ``w2`` layout. The product is a plain loop over the experts a step routes
-to: speed is not the point, the checkpoint's reading is. vLLM's runner does the routing, adds the shared
-experts and reduces over ranks.
+to: speed is not the point, the checkpoint's reading is. Under tensor parallelism each rank keeps its slice of
+every expert's intermediate features. vLLM's runner does the routing, adds the shared experts and reduces
+over ranks.
 """
 
 from __future__ import annotations
@@ -43,16 +44,19 @@ class ParityMoEMethod(FusedMoEMethodBase):
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
         parallel = layer.moe_config.moe_parallel_config
-        if parallel.tp_size > 1 or parallel.use_ep:
-            raise FormatError(f"{self.spec.quant_method}: {self.prefix} with tensor_parallel_size={parallel.tp_size}"
-                              f"{' and expert parallelism' if parallel.use_ep else ''} is not supported: its experts "
-                              f"are served whole on one rank")
+        if parallel.use_ep:
+            raise FormatError(f"{self.spec.quant_method}: {self.prefix} with expert parallelism is not supported: "
+                              f"every rank holds a slice of every expert (tensor parallelism)")
         activation = getattr(layer.activation, "value", layer.activation)
         if activation != "silu" or self.spec.activation_quant is not None:
             raise FormatError(f"{self.spec.quant_method}: {self.prefix}: experts with activation {activation!r} and "
                               f"activation_quant {self.spec.activation_quant!r}; served: silu, none")
-        h, i = hidden_size, intermediate_size_per_partition
+        # Each expert is decoded whole (a packed or streamed tensor cannot be cut before decoding), then each
+        # rank keeps its slice of the intermediate features, as vLLM's own loader narrows w13 and w2.
+        h, i = hidden_size, intermediate_size_per_partition * parallel.tp_size
         layer.parity_shapes = {"w1": (i, h), "w3": (i, h), "w2": (h, i)}
+        layer.parity_slice = slice(parallel.tp_rank * intermediate_size_per_partition,
+                                   (parallel.tp_rank + 1) * intermediate_size_per_partition)
         layer.parity_experts = num_experts
         layer.parity_stored = {}  # (expert, shard) -> {suffix: tensor}
         for fused in ("w13", "w2"):
@@ -83,6 +87,9 @@ class ParityMoEMethod(FusedMoEMethodBase):
                                   f"{self.prefix}: {shown}")
         weights = {s: torch.stack([self.decode(stored[(e, s)], *layer.parity_shapes[s], self._name(layer, e, s))
                                    for e in range(layer.parity_experts)]) for s in SHARDS}
+        part = layer.parity_slice
+        weights = {"w1": weights["w1"][:, part], "w3": weights["w3"][:, part],
+                   "w2": weights["w2"][:, :, part].contiguous()}
         for fused in ("w13", "w2"):
             for suffix in self.suffixes:
                 del layer._parameters[f"{fused}_{suffix}"]
