@@ -67,7 +67,7 @@ def test_fp_control_at_every_level(tmp_path, arch):
 # in CI gemma3_text (the most quirks: a norm offset, per-head norms, a tied output embedding) and phi3 (q/k/v
 # and gate/up fused on disk, one int8x tensor each); the rest nightly
 @pytest.mark.parametrize("arch", [a if a in ("gemma3_text", "phi3") else pytest.param(a, marks=pytest.mark.nightly)
-                                  for a in DENSE])
+                                  for a in ["llama", *DENSE]])
 def test_int8x_at_every_level(tmp_path, arch):
     model = make_fixture("int8x", tmp_path / "int8x", dims=DIMS.get(arch, SMALL), arch=arch)
     s = _session(model, tmp_path, "int8x", level="model")
