@@ -279,7 +279,8 @@ class TestMixtralEngine:
     engines share one distributed state)."""
 
     @pytest.fixture(scope="class")
-    def mixtral_fp(self, tmp_path_factory):
+    @classmethod
+    def mixtral_fp(cls, tmp_path_factory):
         tmp = tmp_path_factory.mktemp("mixtral-fp")
         model = make_fixture("fp", tmp / "fp", dims=SMALL, arch="mixtral")
         run = _run(model, tmp, "clean", keep_engine=True)
