@@ -199,7 +199,8 @@ def test_quantized_bitnet_passes_block_and_model_levels(fixtures, tmp_path, fmt)
         judgement = s.judgement()
         assert len(judgement.taps) == 1 + SMALL.layers * OP_TAPS + SMALL.layers + 2
         assert all(t.isolated is not None for t in judgement.taps if t.layer is not None)
-        failed = [(t.name, t.isolated.message) for t in judgement.taps if t.isolated is not None and not t.isolated.passed]
+        failed = [(t.name, t.isolated.message) for t in judgement.taps
+                  if t.isolated is not None and not t.isolated.passed]
         assert not failed, failed
         assert [t.name for t in judgement.taps if t.role == "source"] == []
         for check in ("greedy", "topk", "logprobs"):

@@ -625,4 +625,5 @@ def test_expert_keys_map_to_vllms_fused_expert_parameters(tmp_path, fmt):
         row = rows[f"{experts}.3.{proj}.{suffix}"]
         assert (row["vllm_param"], row["op"], row["shard"], row["note"]) == (f"{experts}.{param}_{suffix}", "merge",
                                                                              shard, "expert 3"), row
-    assert rows[f"{experts}.0.w2.{suffix}"]["tp_split"] == ("dim 1" if fmt == "fp" else "not split")
+    assert rows[f"{experts}.0.w2.{suffix}"]["tp_split"] == ("dim 1" if fmt == "fp" else "dim 1 after decoding")
+    assert rows[f"{experts}.0.w3.{suffix}"]["tp_split"] == ("dim 0" if fmt == "fp" else "dim 0 after decoding")

@@ -18,7 +18,8 @@ _STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": 
 _SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _ROW_PARALLEL = ("o_proj", "down_proj")
 # one tensor per expert on disk, one slice of FusedMoE's w13 (w1, w3) or w2 per expert in vLLM
-_EXPERT_KEY = re.compile(r"^(?P<experts>model\.layers\.\d+\.[a-z_]+\.experts)\.(?P<e>\d+)\.(?P<proj>[a-z0-9_]+)\.(?P<suffix>[^.]+)$")
+_EXPERT_KEY = re.compile(r"^(?P<experts>model\.layers\.\d+\.[a-z_]+\.experts)\.(?P<e>\d+)\.(?P<proj>[a-z0-9_]+)"
+                         r"\.(?P<suffix>[^.]+)$")
 _EXPERT_SHARDS = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
 _FUSED_ON_DISK = tuple(f".{fused}" for fused in _SHARDS)  # Phi3's q/k/v and gate/up, stored fused
 
@@ -52,8 +53,8 @@ def vllm_mapping(keys: list[str], shapes: dict[str, tuple[int, int]], matrices: 
             shard = _EXPERT_SHARDS[me["proj"]]
             row.update(vllm_param=f"{me['experts']}.{'w2' if shard == 'w2' else 'w13'}_{me['suffix']}", op="merge",
                        shard=shard, note=f"expert {me['e']}")
-            # the plugin's expert methods serve tensor_parallel_size=1; vLLM's own splits the intermediate axis
-            row["tp_split"] = "not split" if values else "dim 1" if shard == "w2" else "dim 0"
+            # both split the intermediate axis; the plugin's methods decode each expert whole first
+            row["tp_split"] = ("dim 1" if shard == "w2" else "dim 0") + (" after decoding" if values else "")
         elif key == "model.embed_tokens.weight" or key.startswith("lm_head."):
             row["tp_split"] = "dim 0 (vocab)"
         elif "norm" in key.rpartition(".")[0]:
