@@ -89,6 +89,15 @@ def pytest_configure(config):
 '''
 
 
+def session(model, tmp_path, name, llm=None, **opts):
+    """An in-process parity run (as the pytest plugin makes it) on ``model``, writing under ``tmp_path / name``;
+    ``llm``: an engine handed over by an earlier run on the same checkpoint."""
+    from vllm_parity.harness.session import Options, ParitySession
+
+    return ParitySession(Options(model=str(model), report_dir=str(tmp_path / name / "report"),
+                                 snapshot_dir=str(tmp_path / name / "snap"), root=str(tmp_path), **opts), llm=llm)
+
+
 def tensor_parallel_dumps(model, arch: str, prompts, root, each=None) -> dict:
     """vLLM's dumps of ``prompts`` at TP1 and TP2, ``{tp: DumpReader}``; ``each(llm, tp)`` runs on each engine."""
     from vllm_parity.architectures import lookup

@@ -11,9 +11,10 @@ import torch
 from vllm_parity.architectures import lookup
 from vllm_parity.fixtures.checkpoints import FORMATS, Dims, make_fixture
 from vllm_parity.harness import tolerances
-from vllm_parity.harness.session import Options, ParitySession
 from vllm_parity.harness.taps import canonical_order, inputs_of
 from vllm_parity.reference.checkpoint import Checkpoint
+
+from tests.engine_runs import session
 
 SMALL = Dims(hidden=128, layers=3, heads=2, kv_heads=1, intermediate=256, vocab=1024)
 OP_TAPS = 13  # per layer: Llama's 11 and attn.sub_norm, mlp.sub_norm
@@ -113,13 +114,6 @@ def engine(test):
     return test
 
 
-def _session(model, tmp_path, name, llm=None, **opts):
-    """An in-process parity run (as the pytest plugin makes it) on ``model``; ``llm``: an engine handed over
-    by an earlier run on the same checkpoint."""
-    return ParitySession(Options(model=str(model), report_dir=str(tmp_path / name / "report"),
-                                 snapshot_dir=str(tmp_path / name / "snap"), root=str(tmp_path), **opts), llm=llm)
-
-
 def _every_level_passes(s):
     """Every tap of the model level judged, in canonical order (both sub-norms of every layer among them),
     every one passing, and the model-level checks passing."""
@@ -151,7 +145,7 @@ def test_fp_control_passes_every_tap_and_planted_sub_norm_faults_are_the_sources
     Then, on the same engine, a fault in each sub-norm planted after loading: the harness names exactly those
     two sub-norms as the sources (isolated mode: each layer fed the reference's input). No diagnosis hint kind
     covers a norm's weight or epsilon, and none is claimed for them."""
-    clean = _session(fixtures["fp"], tmp_path, "clean", level="model")
+    clean = session(fixtures["fp"], tmp_path, "clean", level="model")
     try:
         assert _every_level_passes(clean).run["format"] == "fp"
         cand = clean.capture().candidate.manifest
@@ -163,7 +157,7 @@ def test_fp_control_passes_every_tap_and_planted_sub_norm_faults_are_the_sources
         clean.finish()
 
     llm.apply_model(_plant_sub_norm_faults)
-    faulty = _session(fixtures["fp"], tmp_path, "faulty", llm=llm, level="op", mode="isolated")
+    faulty = session(fixtures["fp"], tmp_path, "faulty", llm=llm, level="op", mode="isolated")
     try:
         results = faulty.judgement()
         hints = faulty.diagnosis().hints
@@ -188,13 +182,13 @@ def test_quantized_bitnet_passes_block_and_model_levels(fixtures, tmp_path, fmt)
     chaotic (see HF_BITNET_TOLERANCES): there every layer fed the reference's input passes, no tap is a
     source, and the model's tokens and log-probs agree."""
     if fmt != "hf-bitnet":
-        s = _session(fixtures[fmt], tmp_path, fmt, level="model")
+        s = session(fixtures[fmt], tmp_path, fmt, level="model")
         try:
             assert _every_level_passes(s).run["format"] == ("int8x" if fmt == "int8x" else "ternary")
         finally:
             s.finish()
         return
-    s = _session(fixtures[fmt], tmp_path, fmt, level="model", mode="isolated", tolerances=HF_BITNET_TOLERANCES)
+    s = session(fixtures[fmt], tmp_path, fmt, level="model", mode="isolated", tolerances=HF_BITNET_TOLERANCES)
     try:
         judgement = s.judgement()
         assert len(judgement.taps) == 1 + SMALL.layers * OP_TAPS + SMALL.layers + 2

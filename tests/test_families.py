@@ -13,9 +13,10 @@ import torch
 
 from vllm_parity.architectures import lookup
 from vllm_parity.fixtures.checkpoints import Dims, make_fixture
-from vllm_parity.harness.session import Options, ParitySession
 from vllm_parity.harness.taps import canonical_order
 from vllm_parity.reference.checkpoint import Checkpoint
+
+from tests.engine_runs import session
 from vllm_parity.reference.formats import ternary
 
 pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
@@ -37,11 +38,6 @@ FAULTED = DENSE + ["bitnet", "mixtral",
                                                 pytest.param("qwen3_moe", marks=pytest.mark.nightly)]
 
 
-def _session(model, tmp_path, name, llm=None, **opts):
-    return ParitySession(Options(model=str(model), report_dir=str(tmp_path / name / "report"),
-                                 snapshot_dir=str(tmp_path / name / "snap"), root=str(tmp_path), **opts), llm=llm)
-
-
 def _every_level_passes(s, arch):
     judgement = s.judgement()
     taps = [t.name for t in judgement.taps]
@@ -56,7 +52,7 @@ def _every_level_passes(s, arch):
 @pytest.mark.parametrize("arch", DENSE)
 def test_fp_control_at_every_level(tmp_path, arch):
     model = make_fixture("fp", tmp_path / "fp", dims=DIMS.get(arch, SMALL), arch=arch)
-    s = _session(model, tmp_path, "fp", level="model")
+    s = session(model, tmp_path, "fp", level="model")
     try:
         _every_level_passes(s, arch)
         assert s.record().run["architecture"] == arch
@@ -70,7 +66,7 @@ def test_fp_control_at_every_level(tmp_path, arch):
                                   for a in ["llama", *DENSE]])
 def test_int8x_at_every_level(tmp_path, arch):
     model = make_fixture("int8x", tmp_path / "int8x", dims=DIMS.get(arch, SMALL), arch=arch)
-    s = _session(model, tmp_path, "int8x", level="model")
+    s = session(model, tmp_path, "int8x", level="model")
     try:
         _every_level_passes(s, arch)
     finally:
@@ -100,7 +96,7 @@ def _plant(model, flipped: torch.Tensor | None, kv: int):
 def _faulty_run(model, tmp_path, llm, flipped, kv):
     """The sources and the (tap, kind) hints of an isolated run on ``llm`` with the faults planted."""
     llm.apply_model(lambda m: _plant(m, flipped, kv))
-    faulty = _session(model, tmp_path, "faulty", llm=llm, level="op", mode="isolated")
+    faulty = session(model, tmp_path, "faulty", llm=llm, level="op", mode="isolated")
     try:
         return ([t.name for t in faulty.judgement().taps if t.role == "source"],
                 {(h.tap, h.kind) for h in faulty.diagnosis().hints})
@@ -112,7 +108,7 @@ def _faulty_run(model, tmp_path, llm, flipped, kv):
 def test_ternary_passes_and_planted_faults_are_localized(tmp_path, arch):
     dims = DIMS.get(arch, SMALL)
     model = make_fixture("seed-article", tmp_path / "t", dims=dims, arch=arch)
-    clean = _session(model, tmp_path, "clean", level="model")
+    clean = session(model, tmp_path, "clean", level="model")
     try:
         _every_level_passes(clean, arch)
         llm = clean.hand_over()
@@ -136,7 +132,7 @@ def test_ternary_passes_and_planted_faults_are_localized(tmp_path, arch):
 def test_swapped_slices_of_a_projection_fused_on_disk_are_named(tmp_path):
     """Phi3 fuses q/k/v in transformers too: the harness splits both sides, so a k/v swap is still named."""
     model = make_fixture("fp", tmp_path / "phi3", dims=SMALL, arch="phi3")
-    clean = _session(model, tmp_path, "clean", level="op")
+    clean = session(model, tmp_path, "clean", level="op")
     try:
         llm = clean.hand_over()
     finally:
@@ -153,7 +149,7 @@ def test_minicpm3s_latent_norms_take_another_epsilon_in_transformers(tmp_path):
     model = make_fixture("fp", tmp_path / "m", dims=dims, arch="minicpm3")
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}, indent=2, sort_keys=True))
-    s = _session(model, tmp_path, "eps", level="op", mode="isolated")
+    s = session(model, tmp_path, "eps", level="op", mode="isolated")
     try:
         sources = {t.name for t in s.judgement().taps if t.role == "source"}
     finally:

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from vllm_parity.fixtures.checkpoints import Dims, make_fixture
 from vllm_parity.reference.checkpoint import parameter_shapes, stored_names
 
+from tests.engine_runs import session
+
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
 SMALL = Dims(hidden=128, layers=3, heads=2, kv_heads=1, intermediate=256, vocab=1024)
 TINY = Dims(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, vocab=256)
@@ -120,20 +122,13 @@ OP_TAPS = {"mixtral": 3 * (6 + 1 + 2), "qwen2_moe": 3 * (6 + 1 + 4), "qwen3_moe"
 NEEDS_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
 
-def _session(model, tmp_path, name, llm=None, **opts):
-    from vllm_parity.harness.session import Options, ParitySession
-
-    return ParitySession(Options(model=str(model), report_dir=str(tmp_path / name / "report"),
-                                 snapshot_dir=str(tmp_path / name / "snap"), root=str(tmp_path), **opts), llm=llm)
-
-
 def _run(model, tmp_path, name, llm=None, keep_engine=False, checks=("routing", "greedy", "topk", "logprobs")):
     """One in-process run at every level (on ``llm`` when given), everything the tests read of it made before
     its dumps go: the verdicts, ``checks`` (the op and model checks), the diagnosis, the record;
     ``keep_engine``: the engine is handed over (``llm`` of the result) instead of closed."""
     from types import SimpleNamespace
 
-    s = _session(model, tmp_path, name, llm=llm, level="model")
+    s = session(model, tmp_path, name, llm=llm, level="model")
     try:
         judgement = s.judgement()
         results = {c: s.check(c) for c in checks}
