@@ -15,3 +15,7 @@ class CheckpointError(ParityInputError):
 
 class DecodeError(ParityInputError):
     """Stored data that does not decode: a code that must not occur, an inconsistent stream."""
+
+
+class EngineUnsupported(RuntimeError):
+    """The engine cannot serve this checkpoint here (a kernel its build lacks, a dtype its method refuses)."""

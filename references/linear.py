@@ -11,14 +11,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_parity.errors import FormatError
 from vllm_parity.reference.checkpoint import Checkpoint
 from vllm_parity.reference.formats import FormatSpec
 
 
 def activation_fake_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token absmax int8 fake quantization (FORMATS.md): returns ``(x_q, s_x)``."""
+    """Per-token absmax int8 fake quantization (FORMATS.md; vLLM's dynamic int8, max/127): returns
+    ``(x_q, s_x)`` with ``x ≈ x_q / s_x``."""
     s_x = 127.0 / x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
     return (x * s_x).round().clamp(-128, 127), s_x
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest value
+
+
+def fp8_fake_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token absmax fp8 (e4m3) quantization as vLLM's dynamic FP8 serves it (``QuantFP8``): the scale
+    max/448 (at least 1/(448·512)) in fp32, the values times its reciprocal rounded to e4m3. Returns
+    ``(x_q, s_x)`` with ``x ≈ x_q / s_x``."""
+    xf = x if x.dtype == torch.float64 else x.to(torch.float32)
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1.0 / (FP8_MAX * 512.0))
+    inverse = scale.reciprocal()
+    x_q = (xf * inverse).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+    return x_q, inverse.to(x.dtype)
+
+
+# The activation quantizers a format may name (FormatSpec.activation_of).
+ACTIVATION_QUANT = {"per_token_absmax_int8": activation_fake_quant, "per_token_absmax_fp8_e4m3": fp8_fake_quant}
 
 
 def read_stored(ckpt: Checkpoint, module: str, spec: FormatSpec, n: int, k: int) -> dict[str, torch.Tensor]:
@@ -36,7 +56,10 @@ class ReferenceLinear(nn.Module):
         self.name, self.spec = name, spec
         self.in_features, self.out_features = k, n
         self.dtype = dtype
-        self.activation_quant = spec.activation_quant
+        self.activation_quant = spec.activation_of(name)
+        if self.activation_quant is not None and self.activation_quant not in ACTIVATION_QUANT:
+            raise FormatError(f"{name}: activation quantizer {self.activation_quant!r} is not known; known: "
+                              f"{sorted(ACTIVATION_QUANT)}")
         weight = spec.decode(stored, n, k, name, dtype)  # validates eagerly, even when not cached
         self.stored = stored  # compact: kept so that a precision switch decodes afresh
         self.register_buffer("cached_weight", weight if cache else None, persistent=False)
@@ -56,8 +79,8 @@ class ReferenceLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
         w = self.weight()
-        if self.activation_quant == "per_token_absmax_int8":
-            x_q, s_x = activation_fake_quant(x)
+        if self.activation_quant is not None:
+            x_q, s_x = ACTIVATION_QUANT[self.activation_quant](x)
             y = F.linear(x_q, w) / s_x
             return y if self.bias is None else y + self.bias
         return F.linear(x, w, self.bias)

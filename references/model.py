@@ -49,9 +49,9 @@ def _converted(ckpt: Checkpoint, name: str, stored: dict[str, tuple[int, ...]], 
     for source, source_shape in stored.items():
         module = source.removesuffix(".weight")
         if spec is not None and module in experts and not spec.is_ignored(module):
-            if spec.activation_quant is not None:
+            if spec.activation_of(module) is not None:
                 raise CheckpointError(f"{ckpt.path}: {module}: quantized experts with activation quantization "
-                                      f"({spec.activation_quant}) are not supported (they are fused into one "
+                                      f"({spec.activation_of(module)}) are not supported (they are fused into one "
                                       f"3-D parameter)")
             n, k = experts[module]
             tensors[source] = spec.decode(read_stored(ckpt, module, spec, n, k), n, k, module, dtype)

@@ -98,6 +98,30 @@ def session(model, tmp_path, name, llm=None, **opts):
                                  snapshot_dir=str(tmp_path / name / "snap"), root=str(tmp_path), **opts), llm=llm)
 
 
+def checked_engine(model, tmp_path, check, **opts):
+    """A clean run's checks (``check(session)``), then its engine, handed over for a faulty run on ``model``."""
+    clean = session(model, tmp_path, "clean", **opts)
+    try:
+        check(clean)
+        return clean.hand_over()
+    finally:
+        clean.finish()
+
+
+def other_bit_order(model, module: str):
+    """``module``'s ternary weight decoded with the other bit order: what a kernel reading it wrongly uses."""
+    import dataclasses
+
+    from vllm_parity.reference.checkpoint import Checkpoint
+    from vllm_parity.reference.formats import ternary
+
+    ckpt = Checkpoint(model)
+    n, k = ckpt.linear_shapes()[module]
+    flipped = dataclasses.replace(ckpt.spec, bit_order="msb" if ckpt.spec.bit_order == "lsb" else "lsb")
+    return ternary.decode(ckpt.tensor(f"{module}.{flipped.weight_name}"), ckpt.tensor(f"{module}.{flipped.scale_name}"),
+                          flipped, n, k)
+
+
 def tensor_parallel_dumps(model, arch: str, prompts, root, each=None) -> dict:
     """vLLM's dumps of ``prompts`` at TP1 and TP2, ``{tp: DumpReader}``; ``each(llm, tp)`` runs on each engine."""
     from vllm_parity.architectures import lookup

@@ -88,3 +88,27 @@ def test_the_format_cap_reads_the_inputs_that_move_a_code(tmp_path):
                                                                        "layers.0.mlp.down": down}), "layers.0.mlp.down")
     assert all(c > 0 for c in sparse)
     assert sparse[0] == pytest.approx(dense[0], rel=0.5) and sparse[1] == pytest.approx(dense[1], rel=0.5)
+
+
+def test_a_spread_beyond_one_code_step_is_not_capped_below_itself(tmp_path):
+    """Correct implementations of a format that quantizes activations differ by flipped codes, more than one
+    weight code step moves the output: capping their tolerance there would fail the correct candidate."""
+    from vllm_parity.fixtures.checkpoints import Dims, make_fixture
+    from vllm_parity.harness.calibrate import format_cap
+    from vllm_parity.reference.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(make_fixture("seed-article", tmp_path / "m", dims=Dims(hidden=32, layers=1, heads=2,
+                                                                             kv_heads=1, intermediate=64, vocab=64)))
+    g = torch.Generator().manual_seed(3)
+    act, down = torch.randn(6, 64, generator=g), torch.randn(6, 32, generator=g)
+    ref32 = _dump(tmp_path / "r", {"layers.0.mlp.act": act, "layers.0.mlp.down": down})
+    cap = format_cap(ckpt, lookup("llama"), ref32, "layers.0.mlp.down")
+    results = {}
+    for name, rel in (("within", 0.3 * cap[0]), ("beyond", 30 * cap[0])):
+        other = _dump(tmp_path / name, {"layers.0.mlp.act": act, "layers.0.mlp.down": down * (1 + rel)})
+        table, notes = calibrate(ckpt, lookup("llama"), ["layers.0.mlp.down"], ref32, {"fp64": other}, ref32, ref32)
+        results[name] = (table.resolve("layers.0.mlp.down").token_rtol, notes["layers.0.mlp.down"])
+    tol, note = results["within"]
+    assert note["capped"] and not note["spread_above_cap"] and tol == pytest.approx(cap[0], rel=0.01)
+    tol, note = results["beyond"]
+    assert not note["capped"] and note["spread_above_cap"] and tol == pytest.approx(10 * 30 * cap[0], rel=0.01)

@@ -14,10 +14,8 @@ import torch
 from vllm_parity.architectures import lookup
 from vllm_parity.fixtures.checkpoints import Dims, make_fixture
 from vllm_parity.harness.taps import canonical_order
-from vllm_parity.reference.checkpoint import Checkpoint
 
-from tests.engine_runs import session
-from vllm_parity.reference.formats import ternary
+from tests.engine_runs import checked_engine, other_bit_order, session
 
 pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -108,17 +106,8 @@ def _faulty_run(model, tmp_path, llm, flipped, kv):
 def test_ternary_passes_and_planted_faults_are_localized(tmp_path, arch):
     dims = DIMS.get(arch, SMALL)
     model = make_fixture("seed-article", tmp_path / "t", dims=dims, arch=arch)
-    clean = session(model, tmp_path, "clean", level="model")
-    try:
-        _every_level_passes(clean, arch)
-        llm = clean.hand_over()
-    finally:
-        clean.finish()
-    ckpt = Checkpoint(model)
-    n, k = ckpt.linear_shapes()[O_PROJ]
-    flipped = dataclasses.replace(ckpt.spec, bit_order="msb" if ckpt.spec.bit_order == "lsb" else "lsb")
-    w = ternary.decode(ckpt.tensor(f"{O_PROJ}.{flipped.weight_name}"),
-                       ckpt.tensor(f"{O_PROJ}.{flipped.scale_name}"), flipped, n, k)
+    llm = checked_engine(model, tmp_path, lambda s: _every_level_passes(s, arch), level="model")
+    w = other_bit_order(model, O_PROJ)
     kv = dims.kv_heads * dims.hidden // dims.heads
     sources, hints = _faulty_run(model, tmp_path, llm, w, kv)
     assert ("layers.0.attn.o", "bit_order") in hints

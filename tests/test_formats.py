@@ -1,4 +1,5 @@
 import dataclasses
+import sys
 
 import pytest
 from hypothesis import given
@@ -100,3 +101,67 @@ def test_presets_are_named_exactly(name):
     assert preset(name) is PRESETS[name]
     with pytest.raises(FormatError, match="unknown preset"):
         preset(name + "-x")
+
+
+def _installed(tmp_path, monkeypatch, name: str, body: str, entry: str) -> None:
+    """A package installed on sys.path (a module and its dist-info) declaring one vllm_parity.formats entry point."""
+    (tmp_path / f"{name}.py").write_text(body)
+    info = tmp_path / f"{name}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[vllm_parity.formats]\n{entry}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+_USER_FORMAT = '''
+from dataclasses import dataclass
+import torch
+from vllm_parity.reference.formats import FormatSpec
+
+
+@dataclass(frozen=True)
+class Spec(FormatSpec):
+    ignore: tuple = ("lm_head",)
+    quant_method = "{method}"
+
+    @classmethod
+    def from_config(cls, body):
+        return cls(**body)
+
+    def to_config(self):
+        return {{"quant_method": self.quant_method, "ignore": list(self.ignore)}}
+
+    def tensor_names(self, module):
+        return {{"weight": module + ".qweight"}}
+
+    def read_stored(self, ckpt, module, n, k):
+        return {{"weight": ckpt.expect(module + ".qweight", (n, k), (torch.int8,))}}
+
+    def decode(self, stored, n, k, name, dtype=torch.float32):
+        return stored["weight"].to(dtype)
+
+    def code_step(self, ckpt, module):
+        return torch.ones(1, dtype=torch.float64)
+'''
+
+
+def test_a_format_from_another_package_is_found_through_its_entry_point(tmp_path, monkeypatch):
+    _installed(tmp_path, monkeypatch, "user_fmt_a", _USER_FORMAT.format(method="user_fmt_a"),
+               "user_fmt_a = user_fmt_a:Spec")
+    spec = parse_quantization_config({"quant_method": "user_fmt_a", "ignore": ["lm_head", "gate"]})
+    assert type(spec).__module__ == "user_fmt_a" and spec.ignore == ["lm_head", "gate"]
+    from vllm_parity.reference.formats import known
+    assert "user_fmt_a" in known()
+
+
+@pytest.mark.parametrize("entry, match", [
+    ("user_fmt_b = user_fmt_b:Missing", r"entry point 'user_fmt_b' \(user_fmt_b:Missing\) does not load: "
+                                        r"AttributeError"),
+    ("user_fmt_b = user_fmt_b:torch", r"entry point 'user_fmt_b' \(user_fmt_b:torch\) is not a FormatSpec subclass"),
+    ("user_fmt_b = user_fmt_b:Spec", r"has quant_method 'other_name': name the entry point after it"),
+])
+def test_a_broken_entry_point_names_itself(tmp_path, monkeypatch, entry, match):
+    _installed(tmp_path, monkeypatch, "user_fmt_b", _USER_FORMAT.format(method="other_name"), entry)
+    with pytest.raises(FormatError, match=match):
+        parse_quantization_config({"quant_method": "user_fmt_b"})

@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from vllm_parity.harness.dumps import DumpReader
 from vllm_parity.fixtures.checkpoints import Dims, make_fixture
 from tests.engine_runs import ZOO_PLUGIN, assert_same_dumps, tensor_parallel_dumps
 from tests.engine_runs import report as _report
@@ -166,8 +167,8 @@ def test_isolated_mode_marks_only_the_faulty_layer(pytester, monkeypatch):
 
 
 def test_calibrated_tolerances_are_written_and_consumed(pytester):
-    tol = pytester.path / "calibrated.toml"
-    result = _run(pytester, "--parity-level=block", f"--parity-calibrate={tol}")
+    tol, dumps = pytester.path / "calibrated.toml", pytester.path / "dumps"
+    result = _run(pytester, "--parity-level=block", f"--parity-calibrate={tol}", f"--parity-dump-dir={dumps}")
     result.assert_outcomes(passed=49)
     import tomllib
 
@@ -179,13 +180,15 @@ def test_calibrated_tolerances_are_written_and_consumed(pytester):
     rep = _report(pytester)
     assert rep["run"]["extras"]["calibration"]["file"] == str(tol)
     assert sum(rep["run"]["extras"]["calibration"]["widest_spread"].values()) == len(table["tolerances"])
-    (pytester.path / "report" / "report.json").unlink()
-    result = _run(pytester, "--parity-level=block", f"--parity-tolerances={tol}")
-    result.assert_outcomes(passed=49)
-    by = {t["name"]: t for t in _report(pytester)["taps"]}
-    assert by["layers.2.mlp.down"]["tolerance"]["token_rtol"] == down["token_rtol"]
-    assert by["layers.2.mlp.down"]["metrics"]["token_rel"] <= down["token_rtol"]
-    assert by["layers.2.mlp.down"]["margin"] >= 1
+    # the file, read as --parity-tolerances reads it, judges the run's own dumps: every tap inside
+    from vllm_parity.architectures import lookup
+    from vllm_parity.harness.compare import compare_dumps
+    from vllm_parity.harness.tolerances import load
+
+    ref, cand = DumpReader(dumps / "reference"), DumpReader(dumps / "candidate")
+    by = {r.name: r for r in compare_dumps(ref, cand, ref.taps(), load(tol), 4, lookup("llama"))}
+    assert by["layers.2.mlp.down"].tolerance.token_rtol == down["token_rtol"]
+    assert all(r.passed for r in by.values()) and by["layers.2.mlp.down"].metrics.margin >= 1
 
 
 def test_golden_round_trip_and_gate(pytester, monkeypatch, tmp_path):
@@ -196,21 +199,8 @@ def test_golden_round_trip_and_gate(pytester, monkeypatch, tmp_path):
     result = _run(pytester, *args)
     assert result.ret == 1 and (golden / "manifest.json").is_file()
     result.stdout.fnmatch_lines(["*was written now from the live reference*", "*golden reference written*"])
-    # a clean run passes against it without building the fp32 reference
-    result = _run(pytester, *args)
-    result.assert_outcomes(passed=1 + 33 + 3 + 2 + 3)
-    timings = _report(pytester)["run"]["timings"]
-    assert "reference_s" not in timings and "candidate_s" in timings
-    # a planted fault fails against the golden, still with no reference built
-    pytester.makeconftest(FAULTY_PLUGIN)
-    monkeypatch.setenv("PARITY_TEST_FAULT", "scale_missing:model.layers.1.mlp.down_proj")
-    result = _run(pytester, *args)
-    rep = _report(pytester)
-    assert rep["first_divergence"]["name"] == "layers.1.mlp.down" and "reference_s" not in rep["run"]["timings"]
-    # a golden tap that no comparison reads is reported
-    monkeypatch.delenv("PARITY_TEST_FAULT")
-    (pytester.path / "conftest.py").unlink()
-    from vllm_parity.harness.dumps import DumpReader, DumpWriter
+    # a tap that no comparison reads, added to the golden, is reported
+    from vllm_parity.harness.dumps import DumpWriter
     from vllm_parity.harness.golden import write_golden
 
     src = DumpReader(golden)
@@ -219,9 +209,19 @@ def test_golden_round_trip_and_gate(pytester, monkeypatch, tmp_path):
         extended.write(tap, {f"{tap}@{p}": src.get(tap, p) for p in src.prompts(tap)})
     extended.write("stale", {"layers.7.output@0": torch.zeros(2, 128)})
     write_golden(DumpReader(extended.close()), golden, extras=src.manifest.get("golden", {}).get("extras"))
+    # a clean run passes against it without building the fp32 reference
     result = _run(pytester, *args)
+    result.assert_outcomes(passed=1 + 33 + 3 + 2 + 3)
+    timings = _report(pytester)["run"]["timings"]
+    assert "reference_s" not in timings and "candidate_s" in timings
     result.stdout.fnmatch_lines(["*unused golden taps (no comparison read them): ?'layers.7.output'?*"])
     assert _report(pytester)["run"]["unused_golden_taps"] == ["layers.7.output"]
+    # a planted fault fails against the golden, still with no reference built
+    pytester.makeconftest(FAULTY_PLUGIN)
+    monkeypatch.setenv("PARITY_TEST_FAULT", "scale_missing:model.layers.1.mlp.down_proj")
+    result = _run(pytester, *args)
+    rep = _report(pytester)
+    assert rep["first_divergence"]["name"] == "layers.1.mlp.down" and "reference_s" not in rep["run"]["timings"]
 
 
 

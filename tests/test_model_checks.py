@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from vllm_parity.harness import model_checks
@@ -55,3 +56,12 @@ def test_logprobs_accept_a_top1_tied_beyond_the_top_k(tmp_path):
     assert got["passed"], got["mismatches"]
     below = [[None, {4: lp[4] , 3: lp[3]}]]  # token 4 ranked first although the reference puts it far below
     assert not model_checks.logprobs(ref, below, k=2, tol=Tolerance(atol=100.0))["passed"]
+
+
+def test_greedy_tokens_tied_within_the_logit_error_pass():
+    logits = [[torch.tensor([0.0, 3.0, 2.99]), torch.tensor([1.0, 0.0, 0.0])]]
+    tied = model_checks.greedy([[1, 0]], [[2, 1]], logits, tie=0.05)
+    assert tied["passed"] and tied["prompts"][0]["tie"] and tied["prompts"][0]["margin"] == pytest.approx(0.01)
+    apart = model_checks.greedy([[1, 0]], [[2, 1]], logits, tie=0.001)
+    assert not apart["passed"] and "tie" not in apart["prompts"][0]
+    assert not model_checks.greedy([[1, 0]], [[2, 1]])["passed"]  # no logits: tokens must be equal

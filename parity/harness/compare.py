@@ -33,6 +33,11 @@ class TapResult:
     fed_by: list[str] = field(default_factory=list)
     isolated: "TapResult | None" = None  # the same tap with every layer fed the reference's input
 
+    @property
+    def verdict(self) -> bool:
+        """Whether the tap passes as judged: by its isolated run's error where there is one (isolated mode)."""
+        return self.isolated.passed if self.isolated is not None else self.passed
+
     def as_dict(self) -> dict[str, Any]:
         m = self.metrics.as_dict() if self.metrics else None
         return {
@@ -40,7 +45,7 @@ class TapResult:
             "metrics": None if m is None else {k: m[k] for k in ("max_abs", "max_rel", "mean_abs", "cosine",
                                                                   "sqnr_db", "mismatch_frac", "token_rel",
                                                                   "worst_token", "nonfinite", "numel")},
-            "tolerance": self.tolerance.as_dict(), "passed": self.passed, "growth": self.growth,
+            "tolerance": self.tolerance.as_dict(), "passed": self.passed, "verdict": self.verdict, "growth": self.growth,
             "margin": None if m is None else m["margin"],
             "min_tolerance": None if m is None else {"atol": m["min_atol"], "rtol": self.tolerance.rtol,
                                                      "row_rtol": m["min_row_rtol"], "token_rtol": m["token_rel"]},

@@ -25,10 +25,10 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from vllm_parity.reference.linear import ReferenceLinear, activation_fake_quant
+from vllm_parity.reference.linear import ACTIVATION_QUANT, ReferenceLinear
 
 KINDS = ("code_table", "bit_order", "pack_layout", "scale_missing", "scale_inverted", "scale_dtype",
-         "group_size", "slices_swapped", "tp_shard", "drift")
+         "group_size", "slices_swapped", "tp_shard", "drift", "int8_saturation", "scale_wrong")
 
 EXPLAINED = 0.1  # a channel is explained when the residual is at most this share of its deviation
 MIN_SHARE = 0.9  # ... for at least this share of the channels
@@ -153,6 +153,8 @@ class _Hyp:
     fix: str
     factor: torch.Tensor | None = None  # (N,) float64: candidate = reference x factor, per channel
     rows: Callable[[torch.Tensor], torch.Tensor] | None = None  # channel indices -> W' rows (fp32)
+    # (channel indices, row indices) -> the candidate's output predicted otherwise than by a weight (float64)
+    output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass
@@ -193,8 +195,9 @@ class WeightProjection:
             if tuple(x.shape) != (ref.shape[0], self.k):
                 raise ValueError(f"{tap}: ref_input has shape {tuple(x.shape)}, expected "
                                  f"({ref.shape[0]}, {self.k}) (the tap's rows, in_features of {self.module})")
-            if getattr(self.spec, "activation_quant", None) == "per_token_absmax_int8":
-                x, self.post = activation_fake_quant(x)
+            quant = getattr(lin, "activation_quant", None)
+            if quant is not None:
+                x, self.post = ACTIVATION_QUANT[quant](x)
             self.x = x
         dev = cand - ref
         self.dev = torch.where(torch.isfinite(dev), dev, torch.full_like(dev, math.inf))
@@ -317,6 +320,8 @@ class WeightProjection:
     def _predict(self, h: _Hyp, idx: torch.Tensor, rsel: torch.Tensor) -> torch.Tensor:
         if h.factor is not None:
             return self.ref[rsel][:, idx] * h.factor[idx]
+        if h.output is not None:
+            return h.output(idx, rsel)
         step = max(1, CHUNK_ELEMS // max(self.k, 1))
         return torch.cat([self._product(rsel, h.rows(idx[i:i + step])) for i in range(0, len(idx), step)], 1)
 
@@ -392,8 +397,32 @@ class WeightProjection:
             sc = self._score(self._predict(h, channels, rows_all), channels)
             if sc.holds():
                 found.append((sc.share, h, sc))
+        if not found and self.granularity in ("tensor", "channel"):
+            h = self._fitted_scale_hyp(channels)
+            sc = None if h is None else self._score(self._predict(h, channels, rows_all), channels)
+            if sc is not None and sc.holds():
+                found.append((sc.share, h, sc))
         found.sort(key=lambda t: t[0])
         return [Hint(self.tap, h.kind, self._evidence(h, sc, where), h.fix) for _, h, sc in found]
+
+    def _fitted_scale_hyp(self, channels: torch.Tensor) -> _Hyp | None:
+        """The candidate as the reference times its own least-squares factor per output channel, when the
+        channels that deviate do so by a factor (a scale loaded or applied wrong, none of the named ways)."""
+        r, c = self.ref[:, channels].to(torch.float64), self.cand[:, channels].to(torch.float64)
+        f = torch.ones(self.n, dtype=torch.float64)
+        f[channels] = (c * r).sum(0) / (r * r).sum(0).clamp_min(1e-300)
+        off = channels[(f[channels] - 1).abs() > max(self.noise, 1e-3)]
+        if not len(off) or not bool(torch.isfinite(f).all()) or bool((f[off].abs() < 1e-2).any()):
+            return None  # (an output zeroed or never written is no scale)
+        vals = f[off]
+        factor = f"× {float(vals[0]):.4g}" if float(vals.max() - vals.min()) <= 1e-3 * float(vals.abs().max()) \
+            else f"× {float(vals.min()):.4g} to {float(vals.max()):.4g}"
+        listed = ", ".join(str(int(i)) for i in off[:8]) + (", …" if len(off) > 8 else "")
+        return _Hyp("scale_wrong",
+                    f"candidate ≡ reference × a factor per output channel: {len(off)} of {len(channels)} channel(s) "
+                    f"{factor} (channels {listed}), the rest × 1 — the scale applied there is not the stored one",
+                    f"check how {self.module} loads and applies its weight scale for those channels (the stored "
+                    f"scale times the factor is what the candidate used)", factor=f)
 
     def _evidence(self, h: _Hyp, sc: _Score, where: str) -> str:
         return (f"{self.tap} ({self.module}): {where}{h.what}; the candidate matches this prediction on "
@@ -629,11 +658,14 @@ def diagnose_tap(tap: str, ref: torch.Tensor, cand: torch.Tensor, linear: Linear
 
 @_single_threaded
 def diagnose_depth(errors: list[tuple[str, float]], tolerance_atol: float, what: str = "max_abs",
-                   bound: str = "atol", min_growth: float = DRIFT_MIN_GROWTH) -> list[Hint]:
+                   bound: str = "atol", min_growth: float = DRIFT_MIN_GROWTH,
+                   rounding: bool = False) -> list[Hint]:
     """A small error growing steadily with depth (drift), told apart from a jump at one layer.
 
     ``errors``: (``layers.{i}.output``, error) in layer order; ``what`` names the error (``max_abs``,
     ``token relative error``) and ``bound`` the tolerance it is held to (``atol``, ``token_rtol``).
+    ``rounding``: the candidate rounds every tap (half precision), so its error grows with depth by itself:
+    only a drift that leaves the tolerance is one.
     """
     if len(errors) < 4 or not all(math.isfinite(float(e)) and float(e) >= 0 for _, e in errors):
         return []
@@ -642,6 +674,8 @@ def diagnose_depth(errors: list[tuple[str, float]], tolerance_atol: float, what:
     growth = float(e[-1] / e[0])
     # small at the first layer (a few atol at most), rising from there, and large enough to matter
     if growth < min_growth or float(e[0]) > 3 * tolerance_atol or float(e.max()) < 0.1 * tolerance_atol:
+        return []
+    if rounding and float(e.max()) <= tolerance_atol:
         return []
     logs = e.log()
     steps = torch.diff(logs)

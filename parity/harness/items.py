@@ -87,11 +87,13 @@ def _isolated_view(r):
 
 def _describe_check(check: str, result: dict) -> str:
     if check == "greedy":
-        bad = [r for r in result["prompts"] if r["first_mismatch"] is not None]
+        bad = [r for r in result["prompts"] if r["first_mismatch"] is not None and not r.get("tie")]
         r = bad[0]
         i = r["first_mismatch"]
+        margin = f", the reference's logit {r['margin']:.3g} above the candidate's token, beyond the tie " \
+                 f"{result.get('tie', 0.0):.3g}" if "margin" in r else ""
         return (f"greedy continuation differs for {len(bad)} prompt(s); prompt {r['prompt']} first at step {i}: "
-                f"reference {r['reference'][i]}, candidate {r['candidate'][i]} "
+                f"reference {r['reference'][i]}, candidate {r['candidate'][i]}{margin} "
                 f"(reference {r['reference']}, candidate {r['candidate']})")
     if check == "logprobs":
         return (f"prompt log-probs: {len(result['mismatches'])}+ of {result['positions']} positions differ "

@@ -17,7 +17,8 @@ from vllm_parity.reference.model import build_reference_model
 from vllm_parity.serving.linears import linear_for
 
 
-def build_kernel_model(ckpt: Checkpoint, backend: str | None = None) -> nn.Module:
+def build_kernel_model(ckpt: Checkpoint, backend: str | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model in the serving ``dtype``: its float tensors cast to it, the kernels fed it."""
     model = build_reference_model(ckpt, cache=False)
     for name, module in list(model.named_modules()):
         if isinstance(module, ReferenceLinear):
@@ -25,7 +26,7 @@ def build_kernel_model(ckpt: Checkpoint, backend: str | None = None) -> nn.Modul
             factory = linear_for(module.spec.quant_method)
             kernel = factory(module.spec, module.stored, module.out_features, module.in_features, module.name, backend)
             setattr(model.get_submodule(parent), child, kernel if module.bias is None else _Biased(kernel, module.bias))
-    return model
+    return model if dtype == torch.float32 else model.to(dtype)
 
 
 class _Biased(nn.Module):
@@ -34,6 +35,7 @@ class _Biased(nn.Module):
     def __init__(self, kernel: nn.Module, bias: torch.Tensor):
         super().__init__()
         self.kernel, self.bias = kernel, bias
+        self.in_features, self.out_features = kernel.in_features, kernel.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel(x)

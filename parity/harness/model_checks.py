@@ -12,13 +12,27 @@ from vllm_parity.harness.dumps import DumpReader
 from vllm_parity.harness.metrics import Tolerance
 
 
-def greedy(reference: list[list[int]], candidate: list[list[int]]) -> dict[str, Any]:
-    """Each prompt's greedy continuation on both sides, token by token, and where they first part."""
+def greedy(reference: list[list[int]], candidate: list[list[int]],
+           logits: list[list[torch.Tensor]] | None = None, tie: float = 0.0) -> dict[str, Any]:
+    """Each prompt's greedy continuation on both sides, token by token, and where they first part.
+
+    ``logits``: the reference's logits at each of its greedy steps; where the candidate picks another token
+    whose reference logit is within ``tie`` of the reference's choice (the logits' own error, measured), the
+    two tokens are tied for this candidate: the continuation stops being compared there, and passes.
+    """
     rows = []
     for p, (ref_tokens, cand_tokens) in enumerate(zip(reference, candidate)):
         first = next((i for i, (a, b) in enumerate(zip(ref_tokens, cand_tokens)) if a != b), None)
-        rows.append({"prompt": p, "reference": ref_tokens, "candidate": cand_tokens, "first_mismatch": first})
-    return {"passed": all(r["first_mismatch"] is None for r in rows), "prompts": rows}
+        row = {"prompt": p, "reference": ref_tokens, "candidate": cand_tokens, "first_mismatch": first}
+        if first is not None and logits is not None and first < len(logits[p]):
+            step = logits[p][first].to(torch.float64)
+            margin = float(step[ref_tokens[first]] - step[cand_tokens[first]])
+            row["margin"] = margin
+            if margin <= tie:
+                row["tie"] = True
+        rows.append(row)
+    return {"passed": all(r["first_mismatch"] is None or r.get("tie") for r in rows), "prompts": rows,
+            "tie": tie}
 
 
 def topk(reference: DumpReader, candidate: DumpReader, k: int) -> dict[str, Any]:

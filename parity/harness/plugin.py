@@ -16,7 +16,7 @@ import pytest
 from vllm_parity.errors import ParityInputError
 from vllm_parity.harness import summary
 from vllm_parity.harness.items import MODEL_CHECKS, ParityCollector, ParityItem
-from vllm_parity.harness.session import CANDIDATES, LEVELS, Finished, Options, ParitySession
+from vllm_parity.harness.session import CANDIDATES, LEVELS, MODES, SERVING_DTYPES, Finished, Options, ParitySession
 from vllm_parity.harness.taps import level_of
 
 # Every option once: (flag, the Options field it sets, or None for the plugin's own; addoption's arguments).
@@ -31,10 +31,14 @@ OPTIONS: tuple[tuple[str, str | None, dict], ...] = (
         choices=CANDIDATES, default="vllm",
         help="vllm: the real engine with the plugin; kernels: the reference's modeling code with the kernel "
              "linears (no vLLM needed)")),
+    ("--parity-dtype", "dtype", dict(
+        choices=SERVING_DTYPES, default="float32",
+        help="the candidate's dtype, as it is served (the reference stays fp32); the default tolerances follow it")),
     ("--parity-mode", "mode", dict(
-        choices=("propagated", "isolated"), default="propagated",
+        choices=MODES, default="auto",
         help="propagated: both sides run free from the same token ids; isolated: besides, every candidate layer "
-             "is fed the reference's input for it, and a tap fails on its own error")),
+             "is fed the reference's input for it, and a tap fails on its own error; auto (default): isolated "
+             "for a half-precision candidate or a format that quantizes activations, else propagated")),
     ("--parity-prompts", "prompts", dict(
         default=None, metavar="FILE", help="JSON array of token-id arrays (default fixtures/prompts/default.json)")),
     ("--parity-taps", "taps", dict(default=None, metavar="GLOB", help="compare only taps matching GLOB")),

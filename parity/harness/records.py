@@ -72,7 +72,7 @@ class Judgement:
 
     @property
     def passed(self) -> bool:
-        return all(r.passed for r in self.taps)
+        return all(r.verdict for r in self.taps)
 
     def as_dict(self) -> dict[str, Any]:
         return {"taps": [r.as_dict() for r in self.taps], "seconds": self.seconds}

@@ -33,6 +33,8 @@ def capture(model: nn.Module, arch: Architecture, prompts: list[list[int]], out:
                 return (ref.unsqueeze(0), *args[1:])
             feeds.append(layer.register_forward_pre_hook(feed))
     rec = Recorder(model, arch.taps, num_layers, writer, wanted=wanted).install()
+    if isolate_from is not None:  # after the recorder's hooks: a projection's input tap is the candidate's own
+        feeds += _feed_projections(model, arch, num_layers, isolate_from, current)
     try:
         for p, ids in enumerate(prompts):
             current["prompt"] = p
@@ -49,3 +51,25 @@ def capture(model: nn.Module, arch: Architecture, prompts: list[list[int]], out:
         raise RuntimeError(f"taps never fired on the reference: {missing[:5]}")
     writer.meta["side"] = writer.meta.get("side", "reference")
     return DumpReader(writer.close())
+
+
+def _feed_projections(model: nn.Module, arch: Architecture, num_layers: int, ref: DumpReader, current: dict) -> list:
+    """Pre-hooks giving every projection the reference's input for it (the one tap it reads): each op's error
+    is its own (the vLLM side's isolation does the same)."""
+    modules, handles = dict(model.named_modules()), []
+    for point in arch.taps:
+        if point.hook != "output" or not point.tap.startswith("layers.{i}."):
+            continue
+        inputs = arch.layer_inputs.get(point.tap.removeprefix("layers.{i}."), ())
+        if len(inputs) != 1 or point.take != "first":
+            continue
+        for i in range(num_layers):
+            mod, source = modules.get(point.module.format(i=i)), f"layers.{i}.{inputs[0]}"
+            if mod is None or source not in ref.taps() or not hasattr(mod, "in_features"):
+                continue
+
+            def feed(mod, args, source=source):
+                r = ref.get(source, current["prompt"]).to(args[0].dtype)
+                return (r.reshape(args[0].shape), *args[1:]) if r.numel() == args[0].numel() else None
+            handles.append(mod.register_forward_pre_hook(feed))
+    return handles

@@ -20,7 +20,7 @@ SCHEMA = "parity-report/1"
 
 def build(run: dict[str, Any], taps: list[dict[str, Any]], first: dict | None, hints: list[dict]) -> dict:
     return {"schema": SCHEMA, "run": run, "taps": taps, "first_divergence": first, "hints": hints,
-            "separation": separation(taps), "passed": all(t["passed"] for t in taps)}
+            "separation": separation(taps), "passed": all(t.get("verdict", t["passed"]) for t in taps)}
 
 
 def separation(taps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -112,7 +112,7 @@ def markdown(report: dict) -> str:
         m = t["metrics"] or {}
         mt = t.get("min_tolerance") or {}
         iso = (t.get("isolated") or {}).get("metrics") or {}
-        result = "pass" if t["passed"] and t.get("role", "pass") == "pass" else t.get("role", "fail")
+        result = "pass" if t.get("verdict", t["passed"]) and t.get("role", "pass") == "pass" else t.get("role", "fail")
         tol = t["tolerance"]
         lines.append(f"| {t['name']} | {t['level']} | {fmt(m.get('token_rel'))} | {fmt(tol.get('token_rtol'))} | "
                      f"{fmt(mt.get('row_rtol'))} | {fmt(tol.get('row_rtol'))} | {fmt(m.get('max_abs'))} | "
@@ -166,13 +166,14 @@ def html_page(report: dict, heatmap: dict | None) -> str:
     for t in report["taps"]:
         m = t["metrics"] or {}
         mt = t.get("min_tolerance") or {}
-        cls = "ok" if t["passed"] else "bad"
+        cls = "ok" if t.get("verdict", t["passed"]) else "bad"
         iso = (t.get("isolated") or {}).get("metrics") or {}
         rows.append("<tr class='{}'>{}</tr>".format(cls, "".join(f"<td>{html.escape(fmt(v))}</td>" for v in (
             t["name"], t["level"], m.get("token_rel"), t["tolerance"].get("token_rtol"), mt.get("row_rtol"),
             t["tolerance"].get("row_rtol"), m.get("max_abs"), iso.get("max_abs"), m.get("max_rel"), m.get("mean_abs"),
             m.get("cosine"), m.get("sqnr_db"), m.get("mismatch_frac"), t["tolerance"]["atol"], t["tolerance"]["rtol"],
-            mt.get("atol"), t.get("margin"), t.get("growth"), "pass" if t["passed"] else t.get("role", "fail")))))
+            mt.get("atol"), t.get("margin"), t.get("growth"),
+            "pass" if t.get("verdict", t["passed"]) else t.get("role", "fail")))))
     hints = "".join(f"<li><b>{html.escape(h['tap'])}</b> ({html.escape(h['kind'])}): {html.escape(h['evidence'])}"
                     f" — {html.escape(h['fix'])}</li>" for h in report["hints"])
     head = ("tap", "level", "token rel", "token_rtol", "min passing row_rtol", "row_rtol", "max abs",

@@ -8,6 +8,7 @@ item asks for a result.
 from __future__ import annotations
 
 import collections
+import contextlib
 import fnmatch
 import functools
 import sys
@@ -32,6 +33,8 @@ from vllm_parity.reference.checkpoint import Checkpoint
 
 LEVELS = ("op", "block", "model")
 CANDIDATES = ("vllm", "kernels")
+SERVING_DTYPES = ("float32", "bfloat16", "float16")
+MODES = ("auto", "propagated", "isolated")
 CACHE_DECODED_BYTES = 1 << 30
 
 
@@ -40,9 +43,10 @@ class Options:
     model: str | None = None
     prompts: str | None = None
     level: str = "block"
-    mode: str = "propagated"
+    mode: str = "auto"  # "propagated", "isolated", or auto: isolated where the candidate's rounding grows (ParitySession.mode)
     taps: str | None = None
     candidate: str = "vllm"
+    dtype: str = "float32"  # the candidate's serving dtype; the reference stays fp32 (fp64 calibrating)
     tolerances: ToleranceTable = field(default_factory=ToleranceTable)
     dump_dir: str | None = None
     report_dir: str | None = None
@@ -101,6 +105,7 @@ class ParitySession:
         self._golden = None
         self._golden_error: Exception | None = None
         self._reference_tokens: list[list[int]] | None = None
+        self._reference_logits: list[list[torch.Tensor]] | None = None  # at each greedy step
 
     # -- what runs ------------------------------------------------------------------------------
 
@@ -123,6 +128,34 @@ class ParitySession:
     @property
     def format(self) -> str:
         return self.ckpt.spec.quant_method if self.ckpt.spec is not None else "fp"
+
+    @property
+    def mode(self) -> str:
+        """The mode the run judges in: ``--parity-mode``, or for auto, isolated when :meth:`why_isolated`."""
+        if self.opts.mode not in MODES:
+            raise ValueError(f"unknown mode {self.opts.mode!r}; choose one of {MODES}")
+        if self.opts.mode != "auto":
+            return self.opts.mode
+        return "isolated" if self.why_isolated() else "propagated"
+
+    def why_isolated(self) -> str | None:
+        """Why errors propagated from layer to layer cannot tell a fault from a correct candidate here (None:
+        they can). A half-precision candidate rounds every tap (a 30-layer model's propagated error reaches
+        50-70 of its unit roundoffs), and a format that quantizes activations flips a code wherever fp32
+        noise meets a rounding boundary, and the flip propagates: each tap is judged fed the reference's input."""
+        reasons = [f"the candidate computes in {self.opts.dtype}"] if self.opts.dtype != "float32" else []
+        quantizers = self.activation_quantizers()
+        if quantizers:
+            reasons.append(f"{self.format} quantizes activations ({', '.join(quantizers)})")
+        return "; ".join(reasons) or None
+
+    def activation_quantizers(self) -> tuple[str, ...]:
+        """The quantizers of the format's activations, over every quantized projection."""
+        spec = self.ckpt.spec
+        if spec is None:
+            return ()
+        return tuple(sorted({q for m in self.ckpt.linear_shapes() if not spec.is_ignored(m)
+                             for q in [spec.activation_of(m)] if q is not None}))
 
     @property
     def tolerances(self) -> ToleranceTable:
@@ -181,7 +214,7 @@ class ParitySession:
         candidate = self.candidate_dump()
         if self.opts.calibrate:
             self._calibration = self.calibrate(reference, candidate)
-        isolated = self.candidate_dump(isolated=True, feed=reference) if self.opts.mode == "isolated" else None
+        isolated = self.candidate_dump(isolated=True, feed=reference) if self.mode == "isolated" else None
         return Capture(reference, candidate, isolated, dict(self._seconds))  # the record keeps its own copy
 
     def _remembered(self, stage):
@@ -196,8 +229,6 @@ class ParitySession:
     def reference_dump(self, variant: str | None = None) -> DumpReader:
         """The fp32 reference's dump; ``variant`` (calibration) is one of ``vllm_parity.harness.calibrate.VARIANTS``:
         the same model in another precision, attention implementation or summation order."""
-        import contextlib
-
         from vllm_parity.harness import calibrate, reference_side
         from vllm_parity.reference.model import build_reference_model
 
@@ -215,7 +246,9 @@ class ParitySession:
                                            **({"variant": variant} if variant else {})},
                                           wanted=self.wanted)
         if variant is None and self.opts.level == "model":
-            self._reference_tokens = [_greedy(model, ids, self.opts.greedy_tokens) for ids in self.prompts]
+            greedy = [_greedy(model, ids, self.opts.greedy_tokens) for ids in self.prompts]
+            self._reference_tokens = [tokens for tokens, _ in greedy]
+            self._reference_logits = [steps for _, steps in greedy]
         del model  # the dump holds what later checks read: free the weights
         self._seconds[f"{name.replace('-', '_')}_s"] = time.perf_counter() - t0
         return dump
@@ -242,10 +275,26 @@ class ParitySession:
             from vllm_parity.harness.engine import make_run_llm
 
             t0 = time.perf_counter()
-            self._llm = make_run_llm(self.model_dir, self.ckpt.config, self.prompts, self.opts.greedy_tokens,
-                                     tensor_parallel_size=self.opts.tensor_parallel_size, compiled=self.opts.compiled)
+            with self._explained():
+                self._llm = make_run_llm(self.model_dir, self.ckpt.config, self.prompts, self.opts.greedy_tokens,
+                                         tensor_parallel_size=self.opts.tensor_parallel_size,
+                                         compiled=self.opts.compiled, dtype=self.opts.dtype)
             self._seconds["engine_start_s"] = time.perf_counter() - t0
         return self._llm
+
+    @contextlib.contextmanager
+    def _explained(self):
+        """vLLM's refusal to serve this checkpoint here (a kernel its build lacks, a dtype), said as such."""
+        from vllm_parity.harness.engine import explain
+
+        try:
+            yield
+        except Exception as exc:
+            what = f"this {self.format} checkpoint ({self.model_dir})"
+            explained = explain(exc, what, self.opts.dtype)
+            if explained is None:
+                raise
+            raise explained from exc
 
     def hand_over(self):
         """The engine, no longer this run's to close: a second run on the same checkpoint takes it."""
@@ -261,12 +310,14 @@ class ParitySession:
             self.llm()  # the engine's start is timed on its own
         t0 = time.perf_counter()
         out = self.dump_root() / ("candidate-isolated" if isolated else "candidate-repeat" if repeat else "candidate")
-        meta = {**self.meta("candidate"), "mode": "isolated" if isolated else "propagated"}
+        meta = {**self.meta("candidate"), "mode": "isolated" if isolated else "propagated", "dtype": self.opts.dtype}
         if self.opts.candidate == "vllm":
             from vllm_parity.harness import vllm_side
 
-            dump = vllm_side.capture(self.llm(), self.arch, self.prompts, out, meta, taps=self.capture_taps(),
-                                     isolate_from=feed)
+            llm = self.llm()
+            with self._explained():
+                dump = vllm_side.capture(llm, self.arch, self.prompts, out, meta, taps=self.capture_taps(),
+                                         isolate_from=feed)
         else:
             from vllm_parity.harness import reference_side
 
@@ -388,8 +439,17 @@ class ParitySession:
             outs = generate(self.llm(), self.prompts, max_tokens=self.opts.greedy_tokens)
             candidate = [list(o.outputs[0].token_ids) for o in outs]
         else:
-            candidate = [_greedy(self._kernel_model(), ids, self.opts.greedy_tokens) for ids in self.prompts]
-        return model_checks.greedy(self.reference_greedy(), candidate)
+            candidate = [_greedy(self._kernel_model(), ids, self.opts.greedy_tokens)[0] for ids in self.prompts]
+        return model_checks.greedy(self.reference_greedy(), candidate, self._reference_logits, self._logit_tie())
+
+    def _logit_tie(self) -> float:
+        """Two tokens are tied for this candidate when their reference logits are closer than twice its
+        largest logit error over the prompts (0 where the logits were not compared)."""
+        try:
+            logits = self.judgement()["logits"]
+        except KeyError:
+            return 0.0
+        return 0.0 if logits.metrics is None else 2.0 * float(logits.metrics.max_abs)
 
     def _topk_check(self, model_checks) -> dict[str, Any]:
         capture = self.capture()
@@ -412,14 +472,14 @@ class ParitySession:
         outs = generate(self.llm(), self.prompts, max_tokens=1, prompt_logprobs=k)
         returned = [[None if e is None else {tok: lp.logprob for tok, lp in e.items()}
                      for e in (o.prompt_logprobs or [])] for o in outs]
-        return model_checks.logprobs(self.capture().reference, returned, k,
-                                     self.tolerances.resolve("logprobs", torch.float32))
+        tol = self.tolerances.resolve("logprobs", getattr(torch, self.opts.dtype), self.activation_quantizers())
+        return model_checks.logprobs(self.capture().reference, returned, k, tol)
 
     def _kernel_model(self):
         from vllm_parity.harness.kernel_candidate import build_kernel_model
 
         if self._kmodel is None:
-            self._kmodel = build_kernel_model(self.ckpt)
+            self._kmodel = build_kernel_model(self.ckpt, dtype=getattr(torch, self.opts.dtype))
         return self._kmodel
 
     # -- the record -------------------------------------------------------------------------------
@@ -440,9 +500,12 @@ class ParitySession:
         timings = {**self._seconds, "compare_s": judgement.seconds, "diagnose_s": diagnosis.seconds}
         run = {"id": self.id, "started": self.started, "model": str(self.model_dir), "format": self.format,
                "architecture": self.arch.model_type,
-               "level": self.opts.level, "mode": self.opts.mode, "prompts_sha256": prompts_sha256(self.prompts),
+               "level": self.opts.level, "mode": self.mode, "dtype": self.opts.dtype,
+               "prompts_sha256": prompts_sha256(self.prompts),
                "versions": capture.reference.manifest.get("versions", {}), "candidate": self.opts.candidate,
                "timings": timings, "against": self.opts.against, "model_sha256": self.model_sha256}
+        if self.opts.mode == "auto" and self.why_isolated():
+            run["mode_reason"] = self.why_isolated()
         if self._golden is not None:
             from vllm_parity.harness import golden
 
@@ -469,15 +532,18 @@ class ParitySession:
                 self._tmp.cleanup()
 
 
-def _greedy(model, ids: list[int], n: int) -> list[int]:
+def _greedy(model, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """``n`` greedy tokens after ``ids``, and the logits each was chosen from."""
     x = torch.tensor([ids])
-    out = []
+    out, steps = [], []
     with torch.no_grad():
         for _ in range(n):
-            nxt = int(model(x, use_cache=False).logits[0, -1].argmax())
+            row = model(x, use_cache=False).logits[0, -1].float()
+            nxt = int(row.argmax())
             out.append(nxt)
+            steps.append(row)
             x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
-    return out
+    return out, steps
 
 
 def _default_model() -> Path:

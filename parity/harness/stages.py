@@ -66,7 +66,9 @@ def diagnose(judgement: Judgement, capture: Capture, ckpt: Checkpoint, arch: Arc
         else:
             errs = [(r.name, r.metrics.token_rel) for r in outputs]
             bound, growth = (tol.token_rtol, "token relative error", "token_rtol"), DRIFT_MIN_GROWTH_RELATIVE
-        hints += diagnose_depth(errs, *bound, min_growth=growth)
+        last = outputs[-1].name
+        half = cand.entry(last, cand.prompts(last)[0]).get("dtype") in ("float16", "bfloat16")
+        hints += diagnose_depth(errs, *bound, min_growth=growth, rounding=half)
     return Diagnosis(hints, errors, time.perf_counter() - t0)
 
 
@@ -91,7 +93,7 @@ def write(record: RunRecord, capture: Capture, root: Path, snapshot_dir: str, co
           max_gb: float, trend: str | None = None) -> tuple[RunRecord, Written]:
     """report.json (with the first failing tap's heatmap), the trend line, and a snapshot of every failing
     tap; a snapshot that cannot be written fails the run's record, and loses nothing written before."""
-    failing = [r for r in record.judgement.taps if not r.passed and r.metrics is not None]
+    failing = [r for r in record.judgement.taps if not r.verdict and r.metrics is not None]
     heat = None
     if failing:
         f = record.judgement.first or failing[0]

@@ -149,6 +149,8 @@ def _install_worker(worker, capture_id: str, arch: Architecture, out: str, promp
         for i, layer in enumerate(model.model.layers):
             handles.append(layer.register_forward_pre_hook(_feed_reference(ref, i, rows)))
     rec.install()
+    if isolate_from is not None:  # after the recorder's hooks: a projection's input tap is the candidate's own
+        handles += _feed_projections(model, rec.plan, arch, ref, rows, rank, get_tensor_model_parallel_world_size())
     if wanted is None or "logits" in wanted:
         def logits(mod, args, out):
             if rows.spans:
@@ -177,6 +179,48 @@ def _feed_reference(ref: DumpReader, layer: int, rows: _StepRows):
         for p, s, e in rows.spans:
             fed[s:e] = ref.get(f"layers.{layer}.input", p).to(fed.dtype)
         return (positions, fed, None, *args[3:])
+    return hook
+
+
+def _feed_projections(model, plan, arch: Architecture, ref: DumpReader, rows: _StepRows, rank: int, world: int):
+    """Pre-hooks giving every projection the reference's input for it (the one tap it reads), so that a format
+    that quantizes activations quantizes the same values on both sides: each op's error is its own, not a
+    code flipped by the error of the op before it."""
+    from vllm.model_executor.layers.linear import LinearBase, RowParallelLinear
+
+    modules, handles, done = dict(model.named_modules()), [], set()
+    for tap, point, path in plan:
+        mod, layer = modules.get(path), layer_of(tap)
+        if point.hook != "output" or layer is None or path in done or not isinstance(mod, LinearBase):
+            continue
+        inputs = arch.layer_inputs.get(tap.split(".", 2)[2], ())
+        source = f"layers.{layer}.{inputs[0]}" if len(inputs) == 1 else None
+        if source is None or source not in ref.taps():
+            continue
+        done.add(path)
+        sharded = isinstance(mod, RowParallelLinear) and mod.input_is_parallel and world > 1
+        handles.append(mod.register_forward_pre_hook(_feed_input(ref, source, rows, rank if sharded else None,
+                                                                 world)))
+    return handles
+
+
+def _feed_input(ref: DumpReader, source: str, rows: _StepRows, rank: int | None, world: int):
+    """A pre-hook replacing a projection's input rows with the reference's ``source`` tap (this rank's
+    slice of its features when the projection's input is sharded); left alone where the shapes differ."""
+    def hook(mod, args):
+        if not rows.spans:
+            return None
+        x = args[0]
+        fed = x.clone()
+        for p, s, e in rows.spans:
+            r = ref.get(source, p)
+            if rank is not None:
+                width = r.shape[-1] // world
+                r = r[..., rank * width:(rank + 1) * width]
+            if tuple(r.shape) != tuple(fed[s:e].shape):
+                return None
+            fed[s:e] = r.to(fed.dtype)
+        return (fed, *args[1:])
     return hook
 
 

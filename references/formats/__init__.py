@@ -2,14 +2,16 @@
 
 A format is one module: its spec (a frozen dataclass parsed from ``quantization_config``), its codec and
 the reference's reading and decoding of its tensors. The built-in ones are the modules of this package
-(shared FORMATS.md: ``ternary``, ``int8x``), found by name at first use; another is made known with
-:func:`register`. One parser for the whole project: the reference model, the fixtures, ``parity inspect``
-and the vLLM plugin all read a checkpoint's format through :func:`parse_quantization_config`.
+(shared FORMATS.md: ``ternary``, ``int8x``; llm-compressor's ``compressed-tensors``), found by name at first
+use; another package's through the entry-point group ``vllm_parity.formats``, or with :func:`register`.
+One parser for the whole project: the reference model, the fixtures, ``parity inspect`` and the vLLM plugin
+all read a checkpoint's format through :func:`parse_quantization_config`.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import pkgutil
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -69,6 +71,10 @@ class FormatSpec(ABC):
     def is_ignored(self, module: str) -> bool:
         return _is_ignored(module, self.ignore)
 
+    def activation_of(self, module: str) -> str | None:
+        """The quantizer of ``module``'s input activations (``vllm_parity.reference.linear.ACTIVATION_QUANT``)."""
+        return self.activation_quant
+
     @abstractmethod
     def tensor_names(self, module: str) -> dict[str, str]:
         """Role -> checkpoint tensor name of one quantized projection."""
@@ -97,10 +103,46 @@ def register(spec_class: type[FormatSpec]) -> type[FormatSpec]:
     return spec_class
 
 
+ENTRY_POINTS = "vllm_parity.formats"  # the group through which another package supplies a format
+
+
 def known() -> list[str]:
+    """Every format's ``quant_method``: the built-in modules of this package, and the names of the installed
+    entry points of the group ``vllm_parity.formats`` (each a FormatSpec subclass, loaded when first named)."""
+    _builtins()
+    return sorted(set(FORMATS) | {ep.name.lower() for ep in importlib.metadata.entry_points(group=ENTRY_POINTS)})
+
+
+def _builtins() -> None:
     for info in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{info.name}")
-    return sorted(FORMATS)
+
+
+def _find(method: str) -> type[FormatSpec] | None:
+    """The format of ``method``: registered, built in, or another package's entry point."""
+    if method not in FORMATS:
+        _builtins()
+    if method not in FORMATS:
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINTS):
+            if ep.name.lower() == method:
+                _load(ep)
+                break
+    return FORMATS.get(method)
+
+
+def _load(ep) -> None:
+    try:
+        spec_class = ep.load()
+    except Exception as exc:  # a broken plugin names itself, and the rest still load
+        raise FormatError(f"the {ENTRY_POINTS} entry point {ep.name!r} ({ep.value}) does not load: "
+                          f"{type(exc).__name__}: {exc}") from None
+    if not (isinstance(spec_class, type) and issubclass(spec_class, FormatSpec)):
+        raise FormatError(f"the {ENTRY_POINTS} entry point {ep.name!r} ({ep.value}) is not a FormatSpec "
+                          f"subclass: {spec_class!r}")
+    if spec_class.quant_method.lower() != ep.name.lower():
+        raise FormatError(f"the {ENTRY_POINTS} entry point {ep.name!r} ({ep.value}) has quant_method "
+                          f"{spec_class.quant_method!r}: name the entry point after it")
+    register(spec_class)
 
 
 def parse_quantization_config(config: dict[str, Any] | None) -> FormatSpec | None:
@@ -113,10 +155,10 @@ def parse_quantization_config(config: dict[str, Any] | None) -> FormatSpec | Non
     if not isinstance(method, str):
         raise FormatError(f"quantization_config has no quant_method string: {config!r}")
     method = method.lower()
-    if method not in FORMATS:
-        known()
-    if method not in FORMATS:
-        raise FormatError(f"unknown quant_method {config.get('quant_method')!r}: known {known()}; add a format as "
-                          f"a module of vllm_parity.reference.formats, or register a FormatSpec subclass with "
-                          f"vllm_parity.reference.formats.register")
-    return FORMATS[method].from_config({k: v for k, v in config.items() if k != "quant_method"})
+    spec_class = _find(method)
+    if spec_class is None:
+        raise FormatError(f"unknown quant_method {config.get('quant_method')!r}: no reference decoder is installed "
+                          f"for it (known: {known()}); a package supplies one as a FormatSpec subclass under the "
+                          f"entry-point group {ENTRY_POINTS!r} named after its quant_method (README: your own "
+                          f"format), or registers it with vllm_parity.reference.formats.register")
+    return spec_class.from_config({k: v for k, v in config.items() if k != "quant_method"})

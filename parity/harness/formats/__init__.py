@@ -19,7 +19,7 @@ def register(quant_method: str, projection: type) -> type:
 def projection_for(quant_method: str) -> type | None:
     if quant_method not in _PROJECTIONS:
         try:
-            module = importlib.import_module(f"{__name__}.{quant_method}")
+            module = importlib.import_module(f"{__name__}.{quant_method.replace('-', '_')}")
         except ModuleNotFoundError:
             module = None
         _PROJECTIONS[quant_method] = getattr(module, "Projection", None)
