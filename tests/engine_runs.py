@@ -150,3 +150,44 @@ def assert_same_dumps(one, two, tol: float = 1e-4) -> None:
             a, b = one.get(tap, p), two.get(tap, p)
             assert a.shape == b.shape, tap
             torch.testing.assert_close(b, a, rtol=tol, atol=tol, msg=lambda m: f"{tap}@{p}: {m}")
+
+
+def has_wna16() -> bool:
+    """Whether vLLM's CPU build here has its 4-bit kernel (every W4A16, AWQ and GPTQ path runs on it)."""
+    import torch
+    import vllm._custom_ops  # noqa: F401  (loads the build's kernels)
+
+    return hasattr(torch.ops._C, "cpu_gemm_wna16")
+
+
+def four_bit_passes_in_bf16(model, tmp_path) -> None:
+    """A 4-bit checkpoint served in bf16 passes every level (skipped where vLLM has no 4-bit kernel)."""
+    import pytest
+
+    if not has_wna16():
+        pytest.skip("vLLM's CPU build here has no cpu_gemm_wna16 (AVX-512 builds only): the refusal is checked "
+                    "instead")
+    s = session(model, tmp_path, "w4", level="model", dtype="bfloat16")
+    try:
+        assert s.mode == "isolated" and not [t.name for t in s.judgement().taps if not t.verdict]
+        for check in ("greedy", "topk", "logprobs"):
+            assert s.check(check)["passed"], (check, s.check(check))
+    finally:
+        s.finish()
+
+
+def four_bit_refused(model, tmp_path, method: str) -> None:
+    """Where vLLM has no 4-bit kernel, the run stops with the reason (skipped where it has one)."""
+    import pytest
+
+    from vllm_parity.errors import EngineUnsupported
+
+    if has_wna16():
+        pytest.skip("vLLM's 4-bit CPU kernel is built here: the run is judged instead")
+    s = session(model, tmp_path, "w4", level="block", dtype="bfloat16")
+    try:
+        with pytest.raises(EngineUnsupported, match=rf"vLLM cannot serve this {method} checkpoint .* no kernel "
+                                                    rf"'cpu_gemm_wna16' \(built for AVX-512"):
+            s.judgement()
+    finally:
+        s.finish()

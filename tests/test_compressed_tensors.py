@@ -11,14 +11,14 @@ import torch
 from hypothesis import given, settings, strategies as st
 from safetensors.torch import save_file
 
-from vllm_parity.errors import CheckpointError, DecodeError, EngineUnsupported, FormatError
+from vllm_parity.errors import CheckpointError, DecodeError, FormatError
 from vllm_parity.fixtures.checkpoints import Dims
 from vllm_parity.fixtures.compressed_tensors import SCHEMES, make_ct_fixture
 from vllm_parity.reference.checkpoint import Checkpoint
 from vllm_parity.reference.formats import parse_quantization_config
 from vllm_parity.reference.linear import fp8_fake_quant
 
-from tests.engine_runs import checked_engine, session
+from tests.engine_runs import checked_engine, four_bit_passes_in_bf16, four_bit_refused, session
 
 SMALL = Dims(hidden=128, layers=3, heads=2, kv_heads=1, intermediate=256, vocab=1024)
 
@@ -199,6 +199,32 @@ def test_a_saturating_int8_gemm_is_named_and_an_exact_one_is_not():
                                                                    LinearContext(module, x, lin)))
 
 
+@pytest.mark.parametrize("name, stored, scheme", [
+    ("ct-w4a16-asym", "pack-quantized", {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+                                         "group_size": 32, "actorder": None}),
+    ("ct-fp8-dynamic", "float-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                                           "group_size": None, "actorder": None}),
+])
+def test_parity_inspect_names_the_method_and_scheme(tmp_path, name, stored, scheme):
+    from vllm_parity.tools.inference import inspect_checkpoint
+
+    out = make_ct_fixture(name, tmp_path / "m", dims=SMALL)
+    rep = inspect_checkpoint(out)
+    assert rep["format"] == "compressed-tensors" and rep["warnings"] == [], rep["warnings"]
+    assert {m["stored"] for m in rep["matrices"]} == {stored}
+    assert all(m["scheme"] == scheme for m in rep["matrices"])
+    assert rep["key_sources"]["group_size"] == "inferred" and rep["key_sources"]["input_activations"] == "declared"
+    # a declared group size that the scales' shape contradicts is said, with what vLLM would do
+    config = json.loads((out / "config.json").read_text())
+    weights = config["quantization_config"]["config_groups"]["group_0"]["weights"]
+    if weights.get("group_size"):
+        weights["group_size"] = 64
+        (out / "config.json").write_text(json.dumps(config))
+        warnings = inspect_checkpoint(out)["warnings"]
+        assert any(w.startswith("group_size: config.json declares 64, but the tensors' shapes and names show 32: "
+                                "vLLM applies each scale to the wrong inputs") for w in warnings), warnings
+
+
 # -- the real engine ---------------------------------------------------------------------------------
 
 
@@ -257,12 +283,6 @@ def test_fp8_dynamic_served_in_bf16_passes(tmp_path):
         s.finish()
 
 
-def _has_wna16() -> bool:
-    import vllm._custom_ops  # noqa: F401  (loads the build's kernels)
-
-    return hasattr(torch.ops._C, "cpu_gemm_wna16")
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_w8a8_int8_with_vnni_passes(tmp_path):
@@ -302,33 +322,14 @@ def test_w8a8_int8_without_vnni_its_saturating_gemm_is_named(tmp_path):
 @pytest.mark.parametrize("name", ["ct-w4a16", "ct-w4a16-asym"])
 def test_w4a16_in_bf16_passes(tmp_path, name):
     pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
-    if not _has_wna16():
-        pytest.skip("vLLM's CPU build here has no cpu_gemm_wna16 (AVX-512 builds only): the next test checks "
-                    "the refusal")
-    model = make_ct_fixture(name, tmp_path / "w4", dims=SMALL)
-    s = session(model, tmp_path, "w4", level="model", dtype="bfloat16")
-    try:
-        assert s.mode == "isolated" and not [t.name for t in s.judgement().taps if not t.verdict]
-        for check in ("greedy", "topk", "logprobs"):
-            assert s.check(check)["passed"], (check, s.check(check))
-    finally:
-        s.finish()
+    four_bit_passes_in_bf16(make_ct_fixture(name, tmp_path / "w4", dims=SMALL), tmp_path)
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_w4a16_where_vllm_has_no_kernel_is_refused_with_the_reason(tmp_path):
     pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
-    if _has_wna16():
-        pytest.skip("vLLM's 4-bit CPU kernel is built here: the test before judges it")
-    model = make_ct_fixture("ct-w4a16", tmp_path / "w4", dims=SMALL)
-    s = session(model, tmp_path, "w4", level="block", dtype="bfloat16")
-    try:
-        with pytest.raises(EngineUnsupported, match=r"vLLM cannot serve this compressed-tensors checkpoint .* no "
-                                                    r"kernel 'cpu_gemm_wna16' \(built for AVX-512"):
-            s.judgement()
-    finally:
-        s.finish()
+    four_bit_refused(make_ct_fixture("ct-w4a16", tmp_path / "w4", dims=SMALL), tmp_path, "compressed-tensors")
 
 
 def test_every_scheme_has_a_fixture():

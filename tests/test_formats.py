@@ -65,7 +65,7 @@ def test_to_config_round_trips(spec):
     ({"quant_method": "int8x", "levels": [2, 4, 8]}, r"\[3, 5, 8\]"),
     ({"quant_method": "int8x", "block_size": 100}, "multiple of 32"),
     ({"quant_method": "int8x", "bits": 3}, "unknown key"),
-    ({"quant_method": "gptq"}, "unknown quant_method 'gptq'"),
+    ({"quant_method": "hqq"}, "unknown quant_method 'hqq': no reference decoder is installed for it"),
     ({"pack_axis": "input"}, "no quant_method"),
 ])
 def test_invalid_configs_name_the_key(cfg, match):

@@ -551,11 +551,12 @@ def test_a_registered_format_is_offered_without_editing_the_generic_code(tmp_pat
     q, fp = _dummy_pair(tmp_path)
     _, report, _ = inspect_json(q)
     assert report["format"] == "unknown"  # not registered: no format claims the tensors
-    assert any("neither a packed uint8 weight, int8x streams, nor a float weight" in w for w in report["warnings"])
+    assert any("neither a packed uint8 weight, int8x streams, compressed-tensors weights (weight_packed, or int8/fp8 weight + weight_scale), nor a float weight" in w
+               for w in report["warnings"])
 
     monkeypatch.setattr(registry, "FORMATS", dict(registry.FORMATS))  # undone after the test
     inference.register(_DummyFormat)
-    assert [f.quant_method for f in inference.registered()] == ["ternary", "int8x", "dummy"]
+    assert [f.quant_method for f in inference.registered()] == ["ternary", "int8x", "compressed-tensors", "dummy"]
     rc, report, err = inspect_json(q, "--against", fp)
     assert report["format"] == "dummy" and report["quantization_config"] == _DummySpec().to_config()
     assert report["key_sources"] == {"quant_method": "inferred", "ignore": "default"}
@@ -578,8 +579,8 @@ def test_a_registered_format_is_offered_without_editing_the_generic_code(tmp_pat
     tensors["model.layers.0.mlp.down_proj.weight"] = torch.zeros(3, 5)
     _, report, _ = inspect_json(write_checkpoint(tmp_path / "odd", ck.config, tensors))
     assert report["format"] == "dummy"
-    assert any("neither a packed uint8 weight, int8x streams, int8 dummy codes, nor a float weight of shape "
-               "(64, 128)" in w for w in report["warnings"])
+    assert any("neither a packed uint8 weight, int8x streams, compressed-tensors weights (weight_packed, or int8/fp8 weight + weight_scale), int8 dummy codes, nor a "
+               "float weight of shape (64, 128)" in w for w in report["warnings"])
 
 
 

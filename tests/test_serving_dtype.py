@@ -95,3 +95,21 @@ def test_half_precision_defaults_follow_the_unit_roundoff_and_the_tap_kind():
     # a rule still wins over the derived default
     ruled = ToleranceTable(rules=[("layers.*.attn.o", {"token_rtol": 0.5})])
     assert ruled.resolve("layers.0.attn.o", torch.bfloat16).token_rtol == 0.5
+
+
+@pytest.mark.parametrize("error, says", [
+    (AttributeError("'_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"),
+     ["vLLM cannot serve this ckpt on this machine: its build here has no kernel 'cpu_gemm_wna16' (built for "
+      "AVX-512 (x86), RVV or s390x", "vLLM's reason: '_OpNamespace' '_C' object has no attribute"]),
+    (NotImplementedError('"cpu_gemm_wna16" not implemented for \'Float\''),
+     ["vLLM serves this ckpt only in other dtypes than float32 here: run it with --parity-dtype=bfloat16 (or "
+      "float16)"]),
+    (ValueError("torch.float32 is not supported for quantization method awq. Supported dtypes: [torch.bfloat16]"),
+     ["--parity-dtype=bfloat16", "Supported dtypes: [torch.bfloat16]"]),
+])
+def test_vllms_refusals_are_said_with_what_would_run(error, says):
+    from vllm_parity.harness.engine import explain
+
+    explained = explain(error, "this ckpt", "float32")
+    assert explained is not None and all(s in str(explained) for s in says), explained
+    assert explain(RuntimeError("CUDA out of memory"), "this ckpt", "float32") is None

@@ -52,6 +52,21 @@ def _is_ignored(module: str, ignore: tuple[str, ...]) -> bool:
     return any(module == pat or module.endswith("." + pat) for pat in ignore)
 
 
+def unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
+    """``(R, C)`` int32 words -> ``(R, C, 8)`` 4-bit fields, field ``i`` from bits ``4i..4i+3`` (AWQ's and GPTQ's
+    words)."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    return torch.stack([(w >> (4 * i)) & 0xF for i in range(8)], dim=-1)
+
+
+def pack_nibbles(fields: torch.Tensor, what: str) -> torch.Tensor:
+    """``(R, C, 8)`` values 0..15 -> ``(R, C)`` int32 words (the inverse of :func:`unpack_nibbles`)."""
+    if fields.shape[-1] != 8 or bool(((fields < 0) | (fields > 15)).any()):
+        raise FormatError(f"{what} packs codes 0..15, 8 a word")
+    word = sum(fields[..., i].to(torch.int64) << (4 * i) for i in range(8))
+    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+
+
 class FormatSpec(ABC):
     """What every format's spec provides (a frozen dataclass subclassing this)."""
 
@@ -92,6 +107,24 @@ class FormatSpec(ABC):
     def code_step(self, ckpt: Checkpoint, module: str) -> torch.Tensor:
         """The weight change of one code off by one, per output channel (or one for the tensor), fp64; reads
         only the scales."""
+
+
+class GroupScaled4Bit:
+    """What AutoAWQ's and GPTQ's specs share: ``modules_to_not_convert`` (skipped as vLLM skips them:
+    ``lm_head``, and every module whose name contains one), and a ``scales`` tensor ``(groups, N)``."""
+
+    modules_to_not_convert: tuple[str, ...] | None
+
+    @property
+    def ignore(self) -> tuple[str, ...]:
+        return ("lm_head", *(self.modules_to_not_convert or ()))
+
+    def is_ignored(self, module: str) -> bool:
+        return module == "lm_head" or module.endswith(".lm_head") or \
+            any(m in module for m in self.modules_to_not_convert or ())
+
+    def code_step(self, ckpt: Checkpoint, module: str) -> torch.Tensor:
+        return ckpt.tensor(f"{module}.scales").double().abs().T
 
 
 FORMATS: dict[str, type[FormatSpec]] = {}

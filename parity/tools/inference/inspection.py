@@ -197,7 +197,7 @@ class Inspection:
 
     def check_declared(self) -> None:
         """Loud warnings where config.json says one thing and the data another."""
-        declared, raw = self.declared, self.declared_raw if isinstance(self.declared_raw, dict) else {}
+        declared = self.declared
         fmt = registry.get(self.format)
         if fmt is not None and declared is None:
             self.warnings.append(
@@ -218,10 +218,10 @@ class Inspection:
         for key, source in self.keys.sources.items():
             if source != "inferred" or key == "quant_method":
                 continue
-            data, said = self.keys.values[key], getattr(declared, key)
+            data, said = self.keys.values[key], getattr(self.keys.declared, key)  # the keys' view of config.json
             if not fmt.disagrees(key, data, said, declared):
                 continue
-            explicit = key in raw
+            explicit = key in self.keys.raw
             how = "declares" if explicit else "omits it, so it defaults to"
             evidence = "the float weights" if key in fmt.weight_keys else "the tensors' shapes and names"
             self.warnings.append(f"{key}: config.json {how} {show(said)}, but {evidence} show {show(data)}: "

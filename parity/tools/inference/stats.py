@@ -39,6 +39,8 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
         out["distinct"] = []
         return out
     flat = t.reshape(-1)
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # its values exactly, in a dtype torch reduces
+        flat = flat.to(torch.float32)
     if t.dtype == torch.uint8:
         counts = torch.bincount(flat, minlength=256)
         present = counts.nonzero().flatten()

@@ -1,0 +1,137 @@
+"""AutoAWQ (GEMM) and GPTQ checkpoints: the reference's decoders by the documented layouts, checked on
+hand-worked words, AWQ's against compressed-tensors' own AutoAWQ converter, and on the real engine where
+vLLM's CPU build has its 4-bit kernel."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from vllm_parity.errors import DecodeError, FormatError
+from vllm_parity.fixtures.awq import encode as awq_encode, make_awq_fixture
+from vllm_parity.fixtures.checkpoints import Dims
+from vllm_parity.fixtures.gptq import encode as gptq_encode, make_gptq_fixture
+from vllm_parity.reference.formats import awq, gptq, parse_quantization_config
+
+from tests.engine_runs import four_bit_passes_in_bf16, four_bit_refused
+
+SMALL = Dims(hidden=128, layers=3, heads=2, kv_heads=1, intermediate=256, vocab=1024)
+
+
+def test_awq_words_hand_worked():
+    # channels 0..7 holding codes 0..7: nibble i holds channel (0, 2, 4, 6, 1, 3, 5, 7)[i]
+    assert int(awq.pack(torch.arange(8)[None])[0, 0]) == 0x75316420
+    spec = awq.AwqSpec(group_size=2)
+    stored = {"qweight": torch.tensor([[0x75316420], [0x75316420]], dtype=torch.int32),
+              "qzeros": torch.tensor([[0x11111111]], dtype=torch.int32),  # zero point 1 everywhere
+              "scales": torch.full((1, 8), 0.5, dtype=torch.float16)}
+    w = spec.decode(stored, 8, 2, "m")
+    assert w[:, 0].tolist() == [(c - 1) * 0.5 for c in range(8)] and torch.equal(w[:, 0], w[:, 1])
+
+
+def test_gptq_words_hand_worked():
+    # inputs 0..7 of one channel holding codes 0..7, in order from the lowest nibble: 0x76543210
+    assert int(gptq.pack(torch.arange(8)[None])[0, 0]) == 0x76543210
+    spec = gptq.GptqSpec(group_size=4)
+    stored = {"qweight": torch.tensor([[0x76543210] * 8], dtype=torch.int32),  # (K/8, N) = (1, 8)
+              "qzeros": torch.tensor([[0x77777777], [0x33333333]], dtype=torch.int32),  # zero points 8 and 4
+              "scales": torch.tensor([[1.0] * 8, [0.25] * 8], dtype=torch.float16),
+              "g_idx": torch.tensor([0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.int32)}
+    w = spec.decode(stored, 8, 8, "m")
+    assert w[0].tolist() == [-8.0, -7.0, -6.0, -5.0, 0.0, 0.25, 0.5, 0.75]
+    stored["g_idx"] = torch.tensor([1, 1, 1, 1, 0, 0, 0, 0], dtype=torch.int32)  # activation order
+    assert spec.decode(stored, 8, 8, "m")[0].tolist() == [-1.0, -0.75, -0.5, -0.25, -4.0, -3.0, -2.0, -1.0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.sampled_from([8, 16, 48]), groups=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
+def test_awq_decodes_as_compressed_tensors_reads_the_same_words(n, groups, seed):
+    """compressed-tensors' AutoAWQ converter (its own reading of the GEMM layout) and the reference's decoder
+    give the same weight."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+    k = 32 * groups
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    enc = awq_encode(weight, 32)
+    mine = awq.AwqSpec(group_size=32).decode(enc, n, k, "m")
+    converter = AutoAWQConverter(group_size=32)
+    ct = converter.process({f"m.{key}": t.contiguous().clone() for key, t in enc.items()})
+    scheme = converter.create_config().config_groups["config_group_0"]
+    local = {key.removeprefix("m."): t for key, t in ct.items()}
+    local["weight_scale"] = local["weight_scale"].to(torch.float32)
+    local["weight_shape"] = [int(v) for v in local["weight_shape"]]
+    theirs = PackedQuantizationCompressor.decompress(local, scheme)["weight"]
+    torch.testing.assert_close(mine, theirs.to(torch.float32), rtol=0, atol=0)
+    assert (mine - weight).abs().max() <= enc["scales"].float().max() * 0.51 + 1e-6  # round to nearest
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.sampled_from([8, 24]), groups=st.integers(1, 3), act_order=st.booleans(), seed=st.integers(0, 99))
+def test_gptq_round_trips_within_half_a_step(n, groups, act_order, seed):
+    k = 32 * groups
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    enc = gptq_encode(weight, 32, act_order, seed)
+    w = gptq.GptqSpec(group_size=32, desc_act=act_order).decode(enc, n, k, "m")
+    step = enc["scales"].float()[enc["g_idx"].long()].T  # (N, K)
+    assert bool(((w - weight).abs() <= 0.5 * step + 1e-6).all())
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"quant_method": "awq", "bits": 8}, "GEMM layout packs 4-bit"),
+    ({"quant_method": "awq", "version": "GEMV"}, "version = 'gemv'"),
+    ({"quant_method": "gptq", "bits": 8}, "only 4-bit"),
+    ({"quant_method": "gptq", "checkpoint_format": "gptq_v2"}, "checkpoint_format = 'gptq_v2'"),
+    ({"quant_method": "gptq", "group_size": 0}, "group_size"),
+])
+def test_what_is_not_decoded_is_refused_by_name(config, match):
+    with pytest.raises(FormatError, match=match):
+        parse_quantization_config(config)
+
+
+def test_configs_read_as_their_tools_write_them(tmp_path):
+    spec = parse_quantization_config({"quant_method": "awq", "w_bit": 4, "q_group_size": 64, "zero_point": True,
+                                      "version": "GEMM", "modules_to_not_convert": ["visual"]})
+    assert spec.group_size == 64 and spec.is_ignored("model.visual.proj") and spec.is_ignored("lm_head")
+    assert not spec.is_ignored("model.layers.0.mlp.up_proj")
+    spec = parse_quantization_config({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True,
+                                      "sym": True, "damp_percent": 0.01, "true_sequential": True})
+    assert spec.desc_act and spec.to_config()["checkpoint_format"] == "gptq"
+
+
+def test_group_indices_out_of_range_are_refused(tmp_path):
+    from vllm_parity.reference.checkpoint import Checkpoint
+    from safetensors.torch import load_file, save_file
+
+    out = make_gptq_fixture(tmp_path / "g", dims=SMALL)
+    module = "model.layers.0.mlp.up_proj"
+    tensors = load_file(out / "model.safetensors")
+    tensors[f"{module}.g_idx"][3] = 99
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    ckpt = Checkpoint(out)
+    n, k = ckpt.linear_shapes()[module]
+    with pytest.raises(DecodeError, match=f"{module}.g_idx: group indices outside 0..3"):
+        ckpt.spec.read_stored(ckpt, module, n, k)
+
+
+# -- the real engine: vLLM serves both through its 4-bit CPU kernel ---------------------------------------
+
+
+MAKERS = {"awq": lambda d: make_awq_fixture(d, dims=SMALL),
+          "gptq": lambda d: make_gptq_fixture(d, dims=SMALL),
+          "gptq-act-order": lambda d: make_gptq_fixture(d, dims=SMALL, act_order=True)}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_served_in_bf16_every_level_passes(tmp_path, name):
+    pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
+    four_bit_passes_in_bf16(MAKERS[name](tmp_path / name), tmp_path)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_where_vllm_has_no_kernel_the_run_is_refused_with_the_reason(tmp_path, method):
+    pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
+    four_bit_refused(MAKERS[method](tmp_path / method), tmp_path, method)
