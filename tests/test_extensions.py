@@ -79,8 +79,8 @@ def test_vllm_on_a_new_architecture_and_format(pytester, monkeypatch, dummy_chec
     ("architecture", ("model_type 'parity_dummy_llama' is not an architecture the harness knows (known: [",
                       "'llama', ", "]); add one as a module of vllm_parity.architectures")),
     ("format", ("unknown quant_method 'parity_dummy_int8': no reference decoder is installed for it (known: "
-                "['awq', 'compressed-tensors', 'gptq', 'int8x', 'ternary']); a package supplies one as a FormatSpec subclass under "
-                "the entry-point group 'vllm_parity.formats' named after its quant_method",)),
+                "['awq', 'compressed-tensors', ", "'gptq', 'int8x', 'ternary']); a package supplies one as a "
+                "FormatSpec subclass under the entry-point group 'vllm_parity.formats' named after its quant_method")),
 ])
 def test_without_its_file_the_run_says_what_to_add(pytester, monkeypatch, dummy_checkpoint, without, says):
     result = _run(pytester, monkeypatch, dummy_checkpoint, "--parity-level=op", without=without, candidate="kernels")

@@ -214,13 +214,14 @@ class WeightProjection:
 
     @staticmethod
     def build(tap, ref, cand, ctx, noise) -> WeightProjection | None:
-        """The projection of the linear's format (None: no linear, or a format without weight hypotheses)."""
+        """The projection of the linear's format (None: no linear); a format without a module of its own gets
+        the hypotheses that need no knowledge of it (a scale off by a factor per channel)."""
         if ctx is None or ctx.linear is None:
             return None
         from vllm_parity.harness.formats import projection_for
 
         cls = projection_for(ctx.linear.spec.quant_method)
-        return None if cls is None else cls(tap, ref, cand, ctx, noise)
+        return (cls or WeightProjection)(tap, ref, cand, ctx, noise)  # a format of its own: the generic hypotheses
 
     # -- what a format's module adds --
 
