@@ -113,3 +113,19 @@ def test_vllms_refusals_are_said_with_what_would_run(error, says):
     explained = explain(error, "this ckpt", "float32")
     assert explained is not None and all(s in str(explained) for s in says), explained
     assert explain(RuntimeError("CUDA out of memory"), "this ckpt", "float32") is None
+
+
+def test_calibration_in_bf16_measures_the_reference_in_bf16(tmp_path):
+    """A half-precision candidate's noise floor is the reference's own in that dtype: calibration runs it
+    beside the fp32 variants, and the candidate passes the tolerances it writes."""
+    model = make_fixture("seed-article", tmp_path / "t", dims=SMALL)
+    table = tmp_path / "bf16.toml"
+    s = session(model, tmp_path, "cal", level="block", dtype="bfloat16", calibrate=str(table))
+    try:
+        judgement = s.judgement()
+        assert not [(t.name, t.isolated.message) for t in judgement.taps if not t.verdict]
+        widest = s.record().checks["calibration"]["widest_spread"]
+        assert max(widest, key=widest.get) == "bfloat16", widest
+        assert "the reference in bf16 (the candidate's dtype)" in table.read_text()
+    finally:
+        s.finish()

@@ -36,6 +36,14 @@ VARIANTS = {
     "sdpa": "the reference with sdpa attention",
     "reversed": "the reference with every linear summed in reverse input order",
 }
+# A candidate served in half precision: its noise floor is that of the reference computed in that dtype.
+SERVING_VARIANTS = {"bfloat16": "the reference in bf16 (the candidate's dtype)",
+                    "float16": "the reference in fp16 (the candidate's dtype)"}
+
+
+def variants_for(dtype: str) -> list[str]:
+    """The reference variants a calibration in ``dtype`` runs: the fp32 ones, and the serving dtype's own."""
+    return [*VARIANTS, *([dtype] if dtype in SERVING_VARIANTS else [])]
 
 
 @contextlib.contextmanager
@@ -107,8 +115,10 @@ def calibrate(ckpt: Checkpoint, arch: Architecture, taps: list[str], ref32: Dump
 def write(table: ToleranceTable, notes: dict, path: str | Path, headroom: float) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    used = {**VARIANTS, **SERVING_VARIANTS}
+    ran = sorted({k for n in notes.values() for k in n["spread"] if k in used}, key=list(used).index)
     lines = ["# Calibrated by `pytest --parity-calibrate`: per tap, headroom x the widest spread between",
-             "# correct implementations (" + "; ".join(VARIANTS.values()) + "; the candidate against itself),",
+             "# correct implementations (" + "; ".join(used[k] for k in ran) + "; the candidate against itself),",
              f"# headroom {headroom:g}: token_rtol from the per-token relative error, rtol = row_rtol from the",
              "# element error relative to |r| + rms(row); quantized projections capped at half the output",
              "# change of one code off by one.", ""]

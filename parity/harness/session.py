@@ -227,13 +227,14 @@ class ParitySession:
         raise self._error
 
     def reference_dump(self, variant: str | None = None) -> DumpReader:
-        """The fp32 reference's dump; ``variant`` (calibration) is one of ``vllm_parity.harness.calibrate.VARIANTS``:
-        the same model in another precision, attention implementation or summation order."""
+        """The fp32 reference's dump; ``variant`` (calibration) is one of ``vllm_parity.harness.calibrate.VARIANTS``
+        or ``SERVING_VARIANTS``: the same model in another precision, attention implementation or summation order."""
         from vllm_parity.harness import calibrate, reference_side
         from vllm_parity.reference.model import build_reference_model
 
         t0 = time.perf_counter()
-        dtype = torch.float64 if variant == "fp64" else torch.float32
+        dtype = torch.float64 if variant == "fp64" else getattr(torch, variant) \
+            if variant in calibrate.SERVING_VARIANTS else torch.float32
         # Decoded fp32 weights of a large model would dominate memory: decode them per forward instead.
         decoded = 4 * sum(n * k for n, k in self.ckpt.linear_shapes().values())
         model = build_reference_model(self.ckpt, dtype=dtype, cache=decoded <= CACHE_DECODED_BYTES,
@@ -259,7 +260,7 @@ class ParitySession:
         from vllm_parity.harness import calibrate
 
         t0 = time.perf_counter()
-        variants = {name: self.reference_dump(variant=name) for name in calibrate.VARIANTS}
+        variants = {name: self.reference_dump(variant=name) for name in calibrate.variants_for(self.opts.dtype)}
         again = self.candidate_dump(repeat=True)
         table, notes = calibrate.calibrate(self.ckpt, self.arch, self.capture_taps(), reference, variants, candidate,
                                            again, headroom=self.opts.headroom,
