@@ -113,6 +113,29 @@ def test_group_indices_out_of_range_are_refused(tmp_path):
         ckpt.spec.read_stored(ckpt, module, n, k)
 
 
+@pytest.mark.parametrize("method, make, keys", [
+    ("awq", lambda d: make_awq_fixture(d, dims=SMALL), {"bits": 4, "group_size": 32, "zero_point": True}),
+    ("gptq", lambda d: make_gptq_fixture(d, dims=SMALL, act_order=True), {"bits": 4, "group_size": 32,
+                                                                           "desc_act": True, "sym": True}),
+])
+def test_parity_inspect_names_the_method_group_size_and_packing(tmp_path, method, make, keys):
+    import json
+
+    from vllm_parity.tools.inference import inspect_checkpoint
+
+    out = make(tmp_path / method)
+    rep = inspect_checkpoint(out)
+    assert rep["format"] == method and rep["warnings"] == [], rep["warnings"]
+    assert {k: rep["quantization_config"][k] for k in keys} == keys
+    assert rep["key_sources"]["group_size"] == "inferred" and rep["matrices"][0]["group_size"] == 32
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["group_size"] = 64  # what the scales' rows contradict
+    (out / "config.json").write_text(json.dumps(config))
+    warnings = inspect_checkpoint(out)["warnings"]
+    assert any(w.startswith("group_size: config.json declares 64, but the tensors' shapes and names show 32")
+               for w in warnings), warnings
+
+
 # -- the real engine: vLLM serves both through its 4-bit CPU kernel ---------------------------------------
 
 

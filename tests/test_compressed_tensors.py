@@ -226,6 +226,34 @@ def test_parity_inspect_names_the_method_and_scheme(tmp_path, name, stored, sche
                                 "vLLM applies each scale to the wrong inputs") for w in warnings), warnings
 
 
+@pytest.mark.parametrize("fault, kind, says", [
+    ("next_group", "scale_groups", "scaled with the next group's scales (groups shifted by +1)"),
+    ("pairs", "scale_groups", "each pair of neighbouring groups exchanged"),
+    ("zero_plus_one", "zero_point", "every zero point read +1 off its stored value"),
+    ("no_scale", "scale_missing", "without its group scales"),
+])
+def test_group_scale_and_zero_point_faults_get_their_hint(tmp_path, fault, kind, says):
+    """W4A16 with zero points: the candidate computed from the stored codes with one classic mistake (the
+    prediction here made from the reference's weight and scales alone) is named by its kind."""
+    from vllm_parity.harness.diagnosis import LinearContext, diagnose_tap
+    from vllm_parity.reference.linear import ReferenceLinear
+
+    out = make_ct_fixture("ct-w4a16-asym", tmp_path / "m", dims=SMALL, dtype="float32")
+    ckpt, module = Checkpoint(out), "model.layers.0.mlp.down_proj"
+    n, k = ckpt.linear_shapes()[module]
+    stored = ckpt.spec.read_stored(ckpt, module, n, k)
+    lin = ReferenceLinear(module, ckpt.spec, stored, n, k)
+    w, s = lin.weight(), stored["weight_scale"].float()
+    per_input = s.repeat_interleave(32, dim=1)
+    groups = torch.arange(s.shape[1])
+    wrong = {"next_group": lambda: w / per_input * s[:, (groups + 1) % len(groups)].repeat_interleave(32, dim=1),
+             "pairs": lambda: w / per_input * s[:, groups.reshape(-1, 2).flip(1).reshape(-1)].repeat_interleave(32, 1),
+             "zero_plus_one": lambda: w - per_input, "no_scale": lambda: w / per_input}[fault]()
+    x = torch.randn(48, k, generator=torch.Generator().manual_seed(5))
+    hints = diagnose_tap("layers.0.mlp.down", lin(x), x @ wrong.T, LinearContext(module, x, lin))
+    assert hints and hints[0].kind == kind and says in hints[0].evidence, hints
+
+
 # -- the real engine ---------------------------------------------------------------------------------
 
 

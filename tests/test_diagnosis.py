@@ -429,7 +429,7 @@ def test_no_drift(errors):
 def test_hint_as_dict_and_kinds():
     h = Hint("layers.0.attn.q", "bit_order", "e", "f")
     assert h.as_dict() == {"tap": "layers.0.attn.q", "kind": "bit_order", "evidence": "e", "fix": "f"}
-    assert {"drift", "int8_saturation", "scale_wrong"} <= set(KINDS) and len(KINDS) == 12
+    assert {"drift", "int8_saturation", "scale_wrong", "scale_groups", "zero_point"} <= set(KINDS) and len(KINDS) == 14
     with pytest.raises(ValueError, match="not one of"):
         Hint("t", "gremlins", "e", "f")
 

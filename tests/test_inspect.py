@@ -551,12 +551,13 @@ def test_a_registered_format_is_offered_without_editing_the_generic_code(tmp_pat
     q, fp = _dummy_pair(tmp_path)
     _, report, _ = inspect_json(q)
     assert report["format"] == "unknown"  # not registered: no format claims the tensors
-    assert any("neither a packed uint8 weight, int8x streams, compressed-tensors weights (weight_packed, or int8/fp8 weight + weight_scale), nor a float weight" in w
+    assert any("neither a packed uint8 weight, int8x streams, compressed-tensors weights (weight_packed, or int8/fp8 weight + weight_scale), AWQ words (qweight (K, N/8), qzeros, scales), GPTQ words (qweight (K/8, N), qzeros, scales, g_idx), nor a float weight" in w
                for w in report["warnings"])
 
     monkeypatch.setattr(registry, "FORMATS", dict(registry.FORMATS))  # undone after the test
     inference.register(_DummyFormat)
-    assert [f.quant_method for f in inference.registered()] == ["ternary", "int8x", "compressed-tensors", "dummy"]
+    assert [f.quant_method for f in inference.registered()] == ["ternary", "int8x", "compressed-tensors", "awq", "gptq",
+                                                                "dummy"]
     rc, report, err = inspect_json(q, "--against", fp)
     assert report["format"] == "dummy" and report["quantization_config"] == _DummySpec().to_config()
     assert report["key_sources"] == {"quant_method": "inferred", "ignore": "default"}
@@ -579,7 +580,7 @@ def test_a_registered_format_is_offered_without_editing_the_generic_code(tmp_pat
     tensors["model.layers.0.mlp.down_proj.weight"] = torch.zeros(3, 5)
     _, report, _ = inspect_json(write_checkpoint(tmp_path / "odd", ck.config, tensors))
     assert report["format"] == "dummy"
-    assert any("neither a packed uint8 weight, int8x streams, compressed-tensors weights (weight_packed, or int8/fp8 weight + weight_scale), int8 dummy codes, nor a "
+    assert any("neither a packed uint8 weight, int8x streams, compressed-tensors weights (weight_packed, or int8/fp8 weight + weight_scale), AWQ words (qweight (K, N/8), qzeros, scales), GPTQ words (qweight (K/8, N), qzeros, scales, g_idx), int8 dummy codes, nor a "
                "float weight of shape (64, 128)" in w for w in report["warnings"])
 
 

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from vllm_parity.reference.linear import ACTIVATION_QUANT, ReferenceLinear
 
 KINDS = ("code_table", "bit_order", "pack_layout", "scale_missing", "scale_inverted", "scale_dtype",
-         "group_size", "slices_swapped", "tp_shard", "drift", "int8_saturation", "scale_wrong")
+         "group_size", "slices_swapped", "tp_shard", "drift", "int8_saturation", "scale_wrong", "scale_groups",
+         "zero_point")
 
 EXPLAINED = 0.1  # a channel is explained when the residual is at most this share of its deviation
 MIN_SHARE = 0.9  # ... for at least this share of the channels

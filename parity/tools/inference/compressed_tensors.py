@@ -11,12 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_parity.errors import ParityInputError
 from vllm_parity.reference.formats.compressed_tensors import CompressedTensorsSpec
 from vllm_parity.tools.inference.keys import Keys
 from vllm_parity.tools.inference.layout import Matrix
-from vllm_parity.tools.inference.registry import Format, register
-from vllm_parity.tools.inference.stats import compare
+from vllm_parity.tools.inference.registry import Format, decoded_entry, register
 from vllm_parity.tools.inference.text import pct, shape
 
 if TYPE_CHECKING:
@@ -149,18 +147,7 @@ class CompressedTensorsFormat(Format):
         stored_bits = sum(v.numel() * v.element_size() * 8 for v in t.values())
         entry.update(stored=m.stored, scheme={k: s[k] for k in KEYS[1:-1]},
                      bits_per_weight=stored_bits / (m.n * m.k))
-        spec = insp.spec if isinstance(insp.spec, CompressedTensorsSpec) else None
-        if spec is None or m.problems:
-            return
-        try:
-            w = spec.decode(spec.read_stored(insp.ckpt, m.module, m.n, m.k), m.n, m.k, m.module)
-        except ParityInputError as exc:
-            insp.warnings.append(f"{m.module}: does not decode as compressed-tensors: {exc}")
-            entry["error"] = str(exc)
-            return
-        entry["zero_fraction"] = float((w == 0).sum()) / w.numel()
-        if insp.fck is not None:
-            tensor_pass.checks.append({"module": m.module, **compare(w.double(), insp.fck.tensor(f"{m.module}.weight"))})
+        decoded_entry(insp, m, entry, tensor_pass, CompressedTensorsSpec)
 
     def disagrees(self, key, data, said, declared) -> bool:
         return data != said

@@ -88,6 +88,26 @@ class Format(ABC):
                 pct(entry.get("zero_fraction")), "-", "-"]
 
 
+def decoded_entry(insp: Inspection, m: Matrix, entry: dict[str, Any], tensor_pass: TensorPass, spec_type: type) -> None:
+    """Decode one matrix with the inspection's spec (when it is a ``spec_type``): its zero fraction in ``entry``,
+    its check against the float weights; a matrix that does not decode is a warning and the entry's error."""
+    from vllm_parity.errors import ParityInputError
+    from vllm_parity.tools.inference.stats import compare
+
+    spec = insp.spec if isinstance(insp.spec, spec_type) else None
+    if spec is None or m.problems:
+        return
+    try:
+        w = spec.decode(spec.read_stored(insp.ckpt, m.module, m.n, m.k), m.n, m.k, m.module)
+    except ParityInputError as exc:
+        insp.warnings.append(f"{m.module}: does not decode as {spec.quant_method}: {exc}")
+        entry["error"] = str(exc)
+        return
+    entry["zero_fraction"] = float((w == 0).sum()) / w.numel()
+    if insp.fck is not None:
+        tensor_pass.checks.append({"module": m.module, **compare(w.double(), insp.fck.tensor(f"{m.module}.weight"))})
+
+
 FORMATS: dict[str, Format] = {}  # registration order is the report's order (messages list formats in it)
 
 
