@@ -47,13 +47,18 @@ def _every_level_passes(s, arch):
         assert s.check(check)["passed"], (check, s.check(check))
 
 
-@pytest.mark.parametrize("arch", DENSE)
+@pytest.mark.parametrize("arch", ["llama", *DENSE])
 def test_fp_control_at_every_level(tmp_path, arch):
+    """No custom code on either side: proof the map, token alignment and residual handling are right."""
     model = make_fixture("fp", tmp_path / "fp", dims=DIMS.get(arch, SMALL), arch=arch)
     s = session(model, tmp_path, "fp", level="model")
     try:
         _every_level_passes(s, arch)
-        assert s.record().run["architecture"] == arch
+        assert s.record().run["architecture"] == arch and s.record().run["format"] == "fp"
+        ref, cand = s.capture().reference, s.capture().candidate
+        assert ref.entry("layers.2.output", 3)["shape"] == cand.entry("layers.2.output", 3)["shape"] == [64, 128]
+        assert ref.manifest["prompts_sha256"] == cand.manifest["prompts_sha256"]
+        assert ref.manifest["model_sha256"] == cand.manifest["model_sha256"]
     finally:
         s.finish()
 
