@@ -94,6 +94,7 @@ def _reference_greedy(model_dir, prompt: list[int]) -> list[int]:
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.nightly  # in CI, tests/test_bitnet.py serves a checkpoint through the same entry point
 def test_openai_server_completes_for_default_model(tmp_path):
     model = str(default_model_dir())
     prompt = load_prompts()[0]
