@@ -150,7 +150,12 @@ class ParitySession:
         return "; ".join(reasons) or None
 
     def activation_quantizers(self) -> tuple[str, ...]:
-        """The quantizers of the format's activations, over every quantized projection."""
+        """The quantizers of the format's activations, over every quantized projection (read once: the mode
+        asks on every stage)."""
+        return self._activation_quantizers
+
+    @functools.cached_property
+    def _activation_quantizers(self) -> tuple[str, ...]:
         spec = self.ckpt.spec
         if spec is None:
             return ()
