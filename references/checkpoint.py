@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,9 @@ class TensorInfo:
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Validate one safetensors file's header against its size; return its tensors' info."""
+    """Validate one safetensors file's header against its size, as the format defines it (every entry a
+    dtype, a shape of non-negative ints and the byte range it fills; the ranges tiling the data section);
+    return its tensors' info."""
     try:
         size = path.stat().st_size
         with path.open("rb") as fh:
@@ -61,25 +64,20 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(f"{path}: cannot read: {exc}") from exc
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{path}: corrupt safetensors header (not JSON: {exc})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     data_len = size - 8 - hlen
     out: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         if name == "__metadata__":
+            _check_metadata(path, entry)
             continue
-        try:
-            dtype_s, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {entry!r}") from None
-        if dtype_s not in _DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype_s!r}")
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        if end - start != numel * _ITEMSIZE[dtype_s] or start < 0:
+        dtype_s, shape, start, end = _entry(path, name, entry)
+        numel = math.prod(shape)
+        if end - start != numel * _ITEMSIZE[dtype_s]:
             raise CheckpointError(
                 f"{path}: corrupt header: tensor {name!r} of shape {shape} {dtype_s} spans bytes "
                 f"[{start}, {end}), expected {numel * _ITEMSIZE[dtype_s]} bytes")
@@ -87,8 +85,62 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(
                 f"{path}: truncated: tensor {name!r} needs bytes [{start}, {end}) of the data section "
                 f"but the file holds only {data_len}")
-        out[name] = TensorInfo(name, path, _DTYPES[dtype_s], tuple(int(d) for d in shape))
+        spans.append((start, end, name))
+        out[name] = TensorInfo(name, path, _DTYPES[dtype_s], tuple(shape))
+    _check_tiling(path, spans, data_len)
     return out
+
+
+def _entry(path: Path, name: str, entry: Any) -> tuple[str, list[int], int, int]:
+    """One tensor's header entry, checked for its keys and their JSON types."""
+    where = f"{path}: corrupt header entry for tensor {name!r}"
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise CheckpointError(f"{where}: expected an object of dtype, shape and data_offsets, got "
+                              f"{_short(entry)}")
+    dtype_s, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype_s, str) or dtype_s not in _DTYPES:
+        raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {_short(dtype_s)} "
+                              f"(known: {', '.join(_DTYPES)})")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {_short(shape)}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise CheckpointError(f"{where}: data_offsets must be [begin, end], two non-negative integers, got "
+                              f"{_short(offsets)}")
+    start, end = offsets
+    if end < start:
+        raise CheckpointError(f"{where}: data_offsets [{start}, {end}] end before they begin")
+    return dtype_s, shape, start, end
+
+
+def _check_tiling(path: Path, spans: list[tuple[int, int, str]], data_len: int) -> None:
+    """The tensors' byte ranges fill the data section without overlap or hole, as safetensors requires."""
+    at, before = 0, None
+    for start, end, name in sorted(spans):
+        if start < at:
+            raise CheckpointError(f"{path}: corrupt header: tensor {name!r} at bytes [{start}, {end}) overlaps "
+                                  f"tensor {before!r}, which ends at byte {at}")
+        if start > at:
+            raise CheckpointError(f"{path}: corrupt header: no tensor covers bytes [{at}, {start}) of the data "
+                                  f"section (before tensor {name!r}); safetensors leaves no holes")
+        at, before = end, name
+    if at != data_len:
+        raise CheckpointError(f"{path}: corrupt header: the tensors cover {at} bytes of the data section, "
+                              f"the file holds {data_len}")
+
+
+def _check_metadata(path: Path, metadata: Any) -> None:
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: corrupt header: __metadata__ must map strings to strings, got "
+                              f"{_short(metadata)}")
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _short(v: Any, limit: int = 120) -> str:
+    text = repr(v)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 class Checkpoint:
@@ -148,6 +200,16 @@ class Checkpoint:
                 f"{self.path}: only pickle weight files ({', '.join(pickles)}); pickle checkpoints are "
                 f"refused because loading them can run arbitrary code — convert them to safetensors")
         raise CheckpointError(f"{self.path}: no *.safetensors weight files")
+
+    def config_int(self, key: str) -> int:
+        """A positive integer of config.json (``num_hidden_layers``, ``vocab_size``), or CheckpointError naming it."""
+        where = self.path / "config.json"
+        if key not in self.config:
+            raise CheckpointError(f"{where}: lacks {key} (a positive integer)")
+        value = self.config[key]
+        if not _is_count(value) or value == 0:
+            raise CheckpointError(f"{where}: {key} must be a positive integer, got {_short(value)}")
+        return value
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -261,9 +323,9 @@ def _meta_model(config_json: str) -> torch.nn.Module:
         config = AutoConfig.for_model(model_type, **cfg)
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - transformers' (and huggingface_hub's) validation errors are its own
         raise CheckpointError(f"config.json: transformers cannot build model_type {model_type!r} from it: "
-                              f"{exc}") from None
+                              f"{type(exc).__name__}: {exc}") from None
 
 
 @functools.lru_cache(maxsize=16)

@@ -9,6 +9,7 @@ random initialization runs and no second copy of the model ever exists.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -65,8 +66,10 @@ def _converted(ckpt: Checkpoint, name: str, stored: dict[str, tuple[int, ...]], 
 
 
 def build_reference_model(path: str | Path | Checkpoint, dtype: torch.dtype = torch.float32,
-                          cache: bool = True, attn_implementation: str = "eager") -> PreTrainedModel:
-    """The reference model of any FORMATS.md checkpoint directory, in ``dtype`` (fp32, or fp64)."""
+                          cache: bool = True, attn_implementation: str = "eager",
+                          on_decoded: Callable[[int, int, str], None] | None = None) -> PreTrainedModel:
+    """The reference model of any FORMATS.md checkpoint directory, in ``dtype`` (fp32, or fp64).
+    ``on_decoded(i, n, module)``: after the i-th of the n quantized projections is decoded (a run's progress)."""
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
     spec = ckpt.spec
     config = model_config(ckpt, attn_implementation)
@@ -91,7 +94,7 @@ def build_reference_model(path: str | Path | Checkpoint, dtype: torch.dtype = to
     if config.tie_word_embeddings and "lm_head.weight" not in ckpt:
         model.lm_head.weight = model.model.embed_tokens.weight
 
-    for module_name in sorted(quantized):
+    for i, module_name in enumerate(sorted(quantized), 1):
         n, k = shapes[module_name]
         stored = read_stored(ckpt, module_name, spec, n, k)
         bias = model.get_submodule(module_name).bias  # loaded above as a float tensor where the family has one
@@ -99,6 +102,8 @@ def build_reference_model(path: str | Path | Checkpoint, dtype: torch.dtype = to
                                  bias=None if bias is None else bias.data)
         parent_name, child = module_name.rsplit(".", 1)
         setattr(model.get_submodule(parent_name), child, linear)
+        if on_decoded is not None:
+            on_decoded(i, len(quantized), module_name)
 
     _compute_buffers(model)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]

@@ -24,6 +24,14 @@ fi
 # installs them beside this project's wheel to show that neither name is taken.
 .venv/bin/python -m pip download --quiet --disable-pip-version-check --no-deps -d .venv/wheelhouse \
     kernels==0.17.2 fixtures==4.3.2
+# The report's browser test renders report.html in headless Chromium: installed where this runs as root with
+# apt (a fresh CI machine); elsewhere that test skips, and setup goes on without it.
+if ! command -v chromium-headless-shell >/dev/null && ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] \
+        && command -v apt-get >/dev/null; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        chromium-headless-shell >/dev/null; } \
+        || echo "setup: chromium-headless-shell not installed; the report's browser test will skip" >&2
+fi
 .venv/bin/python -c "import torch, transformers, safetensors, triton, vllm" \
     || { echo "setup: the environment does not import" >&2; exit 1; }
 echo "$want" > "$stamp"

@@ -6,13 +6,13 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from vllm_parity.errors import DecodeError, FormatError
+from vllm_parity.errors import DecodeError, EngineUnsupported, FormatError
 from vllm_parity.fixtures.awq import encode as awq_encode, make_awq_fixture
 from vllm_parity.fixtures.checkpoints import Dims
 from vllm_parity.fixtures.gptq import encode as gptq_encode, make_gptq_fixture
 from vllm_parity.reference.formats import awq, gptq, parse_quantization_config
 
-from tests.engine_runs import four_bit_passes_in_bf16, four_bit_refused
+from tests.engine_runs import four_bit_passes_in_bf16, four_bit_refused, session
 
 SMALL = Dims(hidden=128, layers=3, heads=2, kv_heads=1, intermediate=256, vocab=1024)
 
@@ -140,8 +140,7 @@ def test_parity_inspect_names_the_method_group_size_and_packing(tmp_path, method
 
 
 MAKERS = {"awq": lambda d: make_awq_fixture(d, dims=SMALL),
-          "gptq": lambda d: make_gptq_fixture(d, dims=SMALL),
-          "gptq-act-order": lambda d: make_gptq_fixture(d, dims=SMALL, act_order=True)}
+          "gptq": lambda d: make_gptq_fixture(d, dims=SMALL)}
 
 
 @pytest.mark.vllm
@@ -150,6 +149,20 @@ MAKERS = {"awq": lambda d: make_awq_fixture(d, dims=SMALL),
 def test_served_in_bf16_every_level_passes(tmp_path, name):
     pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
     four_bit_passes_in_bf16(MAKERS[name](tmp_path / name), tmp_path)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_gptq_with_activation_order_is_refused_with_vllms_reason(tmp_path):
+    """vLLM 0.32 no longer serves GPTQ's desc_act=True: the run stops with its reason, before any engine."""
+    pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
+    model = make_gptq_fixture(tmp_path / "act-order", dims=SMALL, act_order=True)
+    s = session(model, tmp_path, "w4", level="block", dtype="bfloat16")
+    try:
+        with pytest.raises(EngineUnsupported, match=r"vLLM refuses to serve this gptq checkpoint .*desc_act=True"):
+            s.judgement()
+    finally:
+        s.finish()
 
 
 @pytest.mark.vllm

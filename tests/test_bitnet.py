@@ -135,8 +135,8 @@ def _plant_sub_norm_faults(model) -> bool:
 def test_fp_control_passes_every_tap_and_planted_sub_norm_faults_are_the_sources(fixtures, tmp_path):
     """Stock vLLM layers in the plugin's model against transformers' BitNet: every tap of every level passes.
     Then, on the same engine, a fault in each sub-norm planted after loading: the harness names exactly those
-    two sub-norms as the sources (isolated mode: each layer fed the reference's input). No diagnosis hint kind
-    covers a norm's weight or epsilon, and none is claimed for them."""
+    two sub-norms as the sources (isolated mode: each layer fed the reference's input). The epsilon is named and
+    solved; the weight's factor, which no hint kind covers, is said undecided (the epsilon ruled out)."""
     clean = session(fixtures["fp"], tmp_path, "clean", level="model")
     try:
         assert _every_level_passes(clean).run["format"] == "fp"
@@ -162,7 +162,10 @@ def test_fp_control_passes_every_tap_and_planted_sub_norm_faults_are_the_sources
     assert [r.name for r in results.taps if r.role == "source"] == ["layers.1.attn.sub_norm", "layers.2.mlp.sub_norm"]
     by = {r.name: r for r in results.taps}
     assert not by["layers.1.attn.o"].passed and by["layers.1.attn.o"].role == "inherited"
-    assert [h for h in hints if h.tap.endswith("sub_norm")] == []
+    assert [(h.tap, h.kind) for h in hints if h.tap.endswith("sub_norm")] == [
+        ("layers.1.attn.sub_norm", "undecided"), ("layers.2.mlp.sub_norm", "norm_epsilon")], hints
+    epsilon = next(h for h in hints if h.tap == "layers.2.mlp.sub_norm")
+    assert "eps = 0.01 solved" in epsilon.evidence and "model.layers.2.mlp.ffn_sub_norm" in epsilon.fix
 
 
 # hf-bitnet (BitNet's own format) in CI; the project's seed-article and int8x formats nightly

@@ -283,7 +283,7 @@ def test_report_rerender(capsys, dumps, tmp_path):
     rc, out, _ = run(capsys, "report", out_dir)
     assert rc == 0 and out.splitlines() == [str(out_dir / "summary.md"), str(out_dir / "report.html")]
     assert "First divergence: **layers.1.mlp.gate**" in (out_dir / "summary.md").read_text()
-    assert "<svg" in (out_dir / "report.html").read_text()
+    assert 'id="plot-layers"' in (out_dir / "report.html").read_text()
     rc, _, err = run(capsys, "report", tmp_path)
     assert rc == 2 and "no report.json — not a report directory" in err
     (out_dir / "report.json").write_text(json.dumps({"schema": "parity-report/1", "run": {}}))

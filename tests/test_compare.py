@@ -256,7 +256,7 @@ def test_report_round_trip(tmp_path):
                                                "token_rel", "worst_token", "nonfinite", "numel"}
     assert "margin" in data["taps"][0]
     page = (out / "report.html").read_text()
-    assert "layers.0.output" in page and "<svg" in page and "Heatmap" in page
+    assert "layers.0.output" in page and 'id="plot-layers"' in page and 'id="plot-heatmap"' in page
     assert "First divergence: **layers.0.output**" in (out / "summary.md").read_text()
     (out / "summary.md").unlink()
     report.render(out)  # re-rendered from report.json alone

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from safetensors.torch import save_file
 
-from vllm_parity.errors import CheckpointError, DecodeError, FormatError
+from vllm_parity.errors import CheckpointError, DecodeError, EngineUnsupported, FormatError
 from vllm_parity.fixtures.checkpoints import Dims
 from vllm_parity.fixtures.compressed_tensors import SCHEMES, make_ct_fixture
 from vllm_parity.reference.checkpoint import Checkpoint
@@ -307,14 +307,22 @@ def test_fp8_dynamic_served_in_bf16_passes(tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_w8a8_int8_with_vnni_passes(tmp_path):
+def test_w8a8_int8_with_vnni_passes_in_bf16_and_fp32_is_refused(tmp_path):
+    """With VNNI vLLM's CPU W8A8 takes its fused quantize-and-GEMM kernel, which reads bf16 or fp16 only."""
     pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
     if not _has_vnni():
         pytest.skip("this CPU has no VNNI: vLLM's int8 GEMM saturates here (the next test names it)")
     model = make_ct_fixture("ct-w8a8", tmp_path / "w8a8", dims=SMALL)
-    s = session(model, tmp_path, "w8a8", level="model")
+    s = session(model, tmp_path, "w8a8", level="model", dtype="bfloat16")
     try:
         _every_level_passes(s)
+    finally:
+        s.finish()
+    s = session(model, tmp_path, "w8a8-fp32", level="block")
+    try:
+        with pytest.raises(EngineUnsupported, match=r"only in other dtypes than float32 here: run it with "
+                                                    r"--parity-dtype=bfloat16 .*expect A to be bfloat16 or half"):
+            s.judgement()
     finally:
         s.finish()
 

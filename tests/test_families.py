@@ -146,9 +146,16 @@ def test_minicpm3s_latent_norms_take_another_epsilon_in_transformers(tmp_path):
     s = session(model, tmp_path, "eps", level="op", mode="isolated")
     try:
         sources = {t.name for t in s.judgement().taps if t.role == "source"}
+        hints = {}
+        for h in s.diagnosis().hints:
+            hints.setdefault(h.tap, []).append(h)
     finally:
         s.finish()
-    assert {f"layers.{i}.attn.{n}" for i in range(dims.layers) for n in ("q_a_norm", "kv_a_norm")} <= sources
+    latent = {f"layers.{i}.attn.{n}" for i in range(dims.layers) for n in ("q_a_norm", "kv_a_norm")}
+    assert latent <= sources
+    for tap in latent:  # each named as an epsilon, the reference's solved as transformers' 1e-6
+        first = hints[tap][0]
+        assert first.kind == "norm_epsilon" and "1e-06" in first.evidence, (tap, first)
     assert not {t for t in sources if t.rsplit(".", 1)[-1] not in ("q_a_norm", "kv_a_norm", "gate", "up")}, sources
 
 

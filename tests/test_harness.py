@@ -33,6 +33,9 @@ def test_embedded_default_passes_every_level(pytester):
     assert extras["logprobs"]["passed"] and extras["logprobs"]["positions"] == 4 * 63
     for name in ("report.html", "summary.md"):
         assert (pytester.path / "report" / name).stat().st_size > 1000
+    page = (pytester.path / "report" / "report.html").read_text()
+    assert 'id="plot-layers"' in page and page.count("<tr class=") == len(rep["taps"])
+    result.stdout.fnmatch_lines(["parity: engine start (vLLM, tensor parallel 1)", "parity: compare */* taps (*s)"])
     result.stdout.fnmatch_lines(["*no divergence over 51 taps*"])
     assert not (pytester.path / "snap").exists()
 

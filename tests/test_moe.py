@@ -315,6 +315,11 @@ class TestMixtralEngine:
             assert routing["layers"]["1"] < 0.5 and not routing["passed"]
             assert routing["first_disagreement"]["layer"] == 1
             assert routing["first_disagreement"]["prompt"] == 0
+            # the hint names the renumbering: candidate expert j holds the reference's expert j - 1
+            (hint, *_) = run.record.diagnosis.of(tap)
+            assert hint.kind == "routing" and "with the experts renumbered (candidate expert ← reference " \
+                "expert: 0←3, 1←0, 2←1, 3←2;" in hint.evidence, hint
+            assert "chosen in place of" in hint.evidence and "model.layers.1.mlp.gate" in hint.fix
             # what the op-routing item fails with (its item: test_the_routing_item_names_the_first_disagreement)
             assert _describe_check("routing", routing).startswith(
                 f"routing: {routing['agree']}/{routing['total']} tokens routed to the reference's top-2 experts "

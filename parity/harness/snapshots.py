@@ -10,31 +10,34 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 TMP_PREFIX = ".tmp-"
 
 
 class SnapshotError(OSError):
-    pass
+    def __str__(self) -> str:  # the sentence alone, without OSError's "[Errno 28]"
+        return self.strerror or super().__str__()
 
 
 def write(root: str | Path, run_id: str, reference: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor],
           diff: dict[str, Any], meta: dict[str, Any]) -> Path:
     """Write one snapshot directory ``root/run_id`` (``run_id-2`` … if taken) and return it."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"{TMP_PREFIX}{run_id}-{os.getpid()}"
     try:
+        root.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        save_file({k: v.contiguous() for k, v in reference.items()}, str(tmp / "reference.safetensors"))
-        save_file({k: v.contiguous() for k, v in candidate.items()}, str(tmp / "candidate.safetensors"))
+        _save(reference, tmp / "reference.safetensors")
+        _save(candidate, tmp / "candidate.safetensors")
         (tmp / "diff.json").write_text(json.dumps(diff, indent=1, allow_nan=False) + "\n")
         (tmp / "meta.json").write_text(json.dumps({**meta, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
                                                   indent=1) + "\n")
@@ -53,7 +56,15 @@ def write(root: str | Path, run_id: str, reference: dict[str, torch.Tensor], can
         shutil.rmtree(tmp, ignore_errors=True)
         why = "the disk is full" if exc.errno == errno.ENOSPC else str(exc)
         raise SnapshotError(exc.errno, f"snapshot {run_id} not written under {root}: {why}; "
-                                       f"the run's report is unaffected and no earlier snapshot was touched") from exc
+                                       f"no earlier snapshot was touched") from exc
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    except SafetensorError as exc:  # not an OSError: its message is all that carries the OS's errno
+        found = re.search(r"os error (\d+)", str(exc))
+        raise OSError(int(found.group(1)) if found else errno.EIO, f"{path.name}: {exc}") from exc
 
 
 def runs(root: str | Path) -> list[Path]:

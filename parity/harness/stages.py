@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from vllm_parity.architectures import Architecture
 from vllm_parity.harness import report, snapshots
@@ -16,14 +17,15 @@ from vllm_parity.reference.checkpoint import Checkpoint
 
 
 def judge(capture: Capture, taps: list[str], shown: list[str], table: ToleranceTable, num_layers: int,
-          arch: Architecture) -> Judgement:
+          arch: Architecture, on_tap: Callable[[], None] | None = None) -> Judgement:
     """Every captured tap (layer inputs included: they decide source against inherited), then the roles from
-    the isolated run where there is one; the verdicts of the ``shown`` taps."""
+    the isolated run where there is one; the verdicts of the ``shown`` taps. ``on_tap``: after each tap of
+    each comparison."""
     t0 = time.perf_counter()
-    results = compare_dumps(capture.reference, capture.candidate, taps, table, num_layers, arch)
+    results = compare_dumps(capture.reference, capture.candidate, taps, table, num_layers, arch, on_tap)
     if capture.isolated is not None:
         results = merge_isolated(results, compare_dumps(capture.reference, capture.isolated, taps, table,
-                                                        num_layers, arch))
+                                                        num_layers, arch, on_tap))
     keep = set(shown)
     return Judgement([r for r in results if r.name in keep], time.perf_counter() - t0)
 
@@ -31,9 +33,9 @@ def judge(capture: Capture, taps: list[str], shown: list[str], table: ToleranceT
 def diagnose(judgement: Judgement, capture: Capture, ckpt: Checkpoint, arch: Architecture,
              tp_size: int = 1) -> Diagnosis:
     """Hints for every source of a divergence, and for drift across the layers' outputs."""
-    from vllm_parity.harness.diagnosis import (DRIFT_MIN_GROWTH, DRIFT_MIN_GROWTH_RELATIVE, LinearContext,
-                                               diagnose_depth, diagnose_tap)
-    from vllm_parity.reference.linear import ReferenceLinear, read_stored
+    from vllm_parity.harness.diagnosis import (DRIFT_MIN_GROWTH, DRIFT_MIN_GROWTH_RELATIVE, diagnose_depth,
+                                               diagnose_tap, linear_context)
+    from vllm_parity.harness.op_hints import op_hints
 
     t0 = time.perf_counter()
     ref, cand = capture.reference, capture.judged
@@ -46,15 +48,16 @@ def diagnose(judgement: Judgement, capture: Capture, ckpt: Checkpoint, arch: Arc
         spec = ckpt.spec
         if projection is not None and spec is not None and not spec.is_ignored(projection[0]):
             module, input_tap = projection
-            n, k = ckpt.linear_shapes()[module]
-            ref_linear = ReferenceLinear(module, spec, read_stored(ckpt, module, spec, n, k), n, k)
-            linear = LinearContext(module, ref.stacked(input_tap)[0], ref_linear)
+            linear = linear_context(ckpt, module, ref.stacked(input_tap)[0])
         # What the candidate's side recorded of its own layout: fused layers and tensor-parallel spread.
         group = [t for t in cand.manifest.get("fused", {}).get(r.name, []) if t in ref.taps()]
         siblings = {t: (ref.stacked(t)[0], cand.stacked(t)[0]) for t in group} if len(group) > 1 else None
         try:
-            hints += diagnose_tap(r.name, ref.stacked(r.name)[0], cand.stacked(r.name)[0], linear, tp_size=tp_size,
-                                  siblings=siblings, parallel=cand.manifest.get("parallel", {}).get(r.name))
+            found = diagnose_tap(r.name, ref.stacked(r.name)[0], cand.stacked(r.name)[0], linear, tp_size=tp_size,
+                                 siblings=siblings, parallel=cand.manifest.get("parallel", {}).get(r.name))
+            more = op_hints(r.name, ref, cand, ckpt, arch)
+            real = [h for h in found + more if h.kind != "undecided"]  # what was ruled out only when none holds
+            hints += real or found + more
         except ValueError as exc:  # a shape the diagnosis cannot read is not a reason to lose the run
             errors.append(f"{r.name}: {exc}")
     outputs = [r for r in judgement.taps if r.name.endswith(".output") and r.metrics is not None]
@@ -79,25 +82,36 @@ class Written:
     report: Path
     snapshot: Path | None = None
     snapshot_error: str | None = None
+    report_error: str | None = None  # why the report, or the trend line, could not be written: the run fails
+    trend_error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"report": str(self.report), "snapshot": None if self.snapshot is None else str(self.snapshot),
-                "snapshot_error": self.snapshot_error}
+                "snapshot_error": self.snapshot_error, "report_error": self.report_error,
+                "trend_error": self.trend_error}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Written:
-        return cls(Path(d["report"]), None if d["snapshot"] is None else Path(d["snapshot"]), d["snapshot_error"])
+        return cls(Path(d["report"]), None if d["snapshot"] is None else Path(d["snapshot"]), d["snapshot_error"],
+                   d.get("report_error"), d.get("trend_error"))
+
+    @property
+    def failed(self) -> bool:
+        """Something the run was asked to write is not on disk (a missing snapshot is in the report instead)."""
+        return self.report_error is not None or self.trend_error is not None
 
 
 def write(record: RunRecord, capture: Capture, root: Path, snapshot_dir: str, command: list[str], keep: int,
           max_gb: float, trend: str | None = None) -> tuple[RunRecord, Written]:
     """report.json (with the first failing tap's heatmap), the trend line, and a snapshot of every failing
-    tap; a snapshot that cannot be written fails the run's record, and loses nothing written before."""
+    tap; a snapshot that cannot be written fails the run's record, and loses nothing written before; a report or
+    trend line that cannot be written (a full disk) is said in what this returns, and nothing else is lost."""
     failing = [r for r in record.judgement.taps if not r.verdict and r.metrics is not None]
     heat = None
     if failing:
         f = record.judgement.first or failing[0]
-        heat = report.heatmap_of(f.name, *capture.pair(f.name))
+        ref, rows = capture.reference.stacked(f.name)  # every prompt's rows; the error the tap is judged on
+        heat = report.heatmap_of(f.name, ref, capture.judged.stacked(f.name)[0], rows)
     snapshot, snapshot_error = None, None
     if failing:
         try:
@@ -109,12 +123,24 @@ def write(record: RunRecord, capture: Capture, root: Path, snapshot_dir: str, co
         else:
             snapshots.prune(snapshot_dir, keep, max_gb, protect=snapshot)
     rep = record.as_dict()
-    report.write(root, rep, heat)
+    report_error = trend_error = None
+    try:
+        report.write(root, rep, heat)
+    except OSError as exc:
+        report_error = _why(exc)
     if trend:
         from vllm_parity.harness import trend as trend_mod
 
-        trend_mod.append(trend, rep, model_sha256=record.run["model_sha256"])
-    return record, Written(root, snapshot, snapshot_error)
+        try:
+            trend_mod.append(trend, rep, model_sha256=record.run["model_sha256"])
+        except OSError as exc:
+            trend_error = _why(exc)
+    return record, Written(root, snapshot, snapshot_error, report_error, trend_error)
+
+
+def _why(exc: OSError) -> str:
+    what = "the disk is full" if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
+    return f"{what} (writing {exc.filename})" if exc.filename else what
 
 
 def _snapshot(record: RunRecord, capture: Capture, failing: list[TapResult], root: Path, snapshot_dir: str,

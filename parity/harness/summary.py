@@ -44,7 +44,12 @@ def lines(finished: Finished | None, failures: list[tuple[str, str]]) -> list[tu
         out.append((f"first failure: {failures[0][0]} (level {failures[0][1]})", {}))
     written = finished.written if finished is not None else None
     if written is not None:
-        out.append((f"report: {written.report / 'report.html'}", {}))
+        if written.report_error is None:
+            out.append((f"report: {written.report / 'report.html'}", {}))
+        else:
+            out.append((f"no report written under {written.report}: {written.report_error}", RED))
+        if written.trend_error is not None:
+            out.append((f"no trend line appended: {written.trend_error}", RED))
         if written.snapshot is not None:
             out.append((f"snapshot of the failing taps: {written.snapshot}", {}))
         if written.snapshot_error is not None:

@@ -29,19 +29,21 @@ def row_of(report: dict, model_sha256: str | None = None) -> dict[str, Any]:
     if report.get("schema") != "parity-report/1":
         raise ValueError(f"report schema {report.get('schema')!r}, expected 'parity-report/1'")
     run = report["run"]
-    taps = {}
-    for t in report["taps"]:
-        mt, tol = t.get("min_tolerance") or {}, t.get("tolerance") or {}
-        if tol.get("token_rtol") is not None:
-            taps[t["name"]] = {"measure": "token_rel", "value": mt.get("token_rtol"), "bound": tol["token_rtol"],
-                               "passed": bool(t["passed"])}
-        else:
-            taps[t["name"]] = {"measure": "min_atol", "value": mt.get("atol"), "bound": tol.get("atol"),
-                               "passed": bool(t["passed"])}
+    taps = {t["name"]: primary(t) for t in report["taps"]}
     return {"schema": SCHEMA, "run": run.get("id"), "date": run.get("started") or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "model": run.get("model"), "model_sha256": model_sha256 or run.get("model_sha256"),
             "prompts_sha256": run.get("prompts_sha256"), "format": run.get("format"), "level": run.get("level"),
             "versions": run.get("versions", {}), "passed": bool(report.get("passed")), "taps": taps}
+
+
+def primary(tap: dict[str, Any]) -> dict[str, Any]:
+    """A report tap's error under its primary criterion: ``measure``, ``value`` (None where it was not
+    measured), ``bound`` (its tolerance), ``passed``."""
+    mt, tol = tap.get("min_tolerance") or {}, tap.get("tolerance") or {}
+    if tol.get("token_rtol") is not None:
+        return {"measure": "token_rel", "value": mt.get("token_rtol"), "bound": tol["token_rtol"],
+                "passed": bool(tap["passed"])}
+    return {"measure": "min_atol", "value": mt.get("atol"), "bound": tol.get("atol"), "passed": bool(tap["passed"])}
 
 
 def append(trend_file: str | Path, report: dict, model_sha256: str | None = None) -> dict[str, Any]:

@@ -42,14 +42,34 @@ def build(cls: type, body: dict, known: set[str], list_keys: tuple[str, ...]) ->
     return cls(**{k: _as_tuple(k, v) if k in list_keys else v for k, v in body.items()})
 
 
+NAME_LISTS = ("ignore", "modules_to_not_convert")  # lists of module names
+
+
 def _as_tuple(key: str, value: Any) -> tuple:
     if not isinstance(value, (list, tuple)):
         raise FormatError(f"{key} must be a list, got {value!r}")
+    if key in NAME_LISTS and not all(isinstance(v, str) for v in value):
+        raise FormatError(f"{key} must list module names (strings), got {list(value)!r}")
     return tuple(value)
 
 
 def _is_ignored(module: str, ignore: tuple[str, ...]) -> bool:
     return any(module == pat or module.endswith("." + pat) for pat in ignore)
+
+
+def expect_stored(stored: dict[str, torch.Tensor], want: dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]],
+                  name: str) -> None:
+    """The stored tensors a decoder reads, each of its shape and one of its dtypes (what ``read_stored`` checks on
+    the checkpoint, checked again for tensors that come from elsewhere); FormatError naming the one that is not."""
+    for role, (shape, dtypes) in want.items():
+        t = stored.get(role)
+        if not isinstance(t, torch.Tensor):
+            raise FormatError(f"{name}.{role}: missing (expected a tensor of shape {tuple(shape)})")
+        if tuple(t.shape) != tuple(shape):
+            raise FormatError(f"{name}.{role}: shape {tuple(t.shape)}, expected {tuple(shape)}")
+        if t.dtype not in dtypes:
+            raise FormatError(f"{name}.{role}: dtype {str(t.dtype).removeprefix('torch.')}, expected "
+                              f"{' or '.join(str(d).removeprefix('torch.') for d in dtypes)}")
 
 
 def unpack_nibbles(words: torch.Tensor) -> torch.Tensor:

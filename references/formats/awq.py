@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_parity.errors import DecodeError, FormatError
-from vllm_parity.reference.formats import (FLOAT_DTYPES, FormatSpec, GroupScaled4Bit, build, pack_nibbles,
-                                         register, unpack_nibbles)
+from vllm_parity.reference.formats import (FLOAT_DTYPES, FormatSpec, GroupScaled4Bit, build, expect_stored,
+                                         pack_nibbles, register, unpack_nibbles)
 
 if TYPE_CHECKING:
     from vllm_parity.reference.checkpoint import Checkpoint
@@ -67,17 +67,22 @@ class AwqSpec(GroupScaled4Bit, FormatSpec):
     def tensor_names(self, module: str) -> dict[str, str]:
         return {r: f"{module}.{r}" for r in ("qweight", "qzeros", "scales")}
 
-    def read_stored(self, ckpt: Checkpoint, module: str, n: int, k: int) -> dict[str, torch.Tensor]:
-        if n % 8 or k % self.group_size:
+    def stored_shapes(self, module: str, n: int, k: int) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
+        if n <= 0 or k <= 0 or n % 8 or k % self.group_size:
             raise FormatError(f"{module}: ({n}, {k}) cannot be stored as awq: out_features must divide by 8 and "
                               f"in_features by group_size={self.group_size}")
-        g, names = k // self.group_size, self.tensor_names(module)
-        return {"qweight": ckpt.expect(names["qweight"], (k, n // 8), (torch.int32,)),
-                "qzeros": ckpt.expect(names["qzeros"], (g, n // 8), (torch.int32,)),
-                "scales": ckpt.expect(names["scales"], (g, n), FLOAT_DTYPES)}
+        g = k // self.group_size
+        return {"qweight": ((k, n // 8), (torch.int32,)), "qzeros": ((g, n // 8), (torch.int32,)),
+                "scales": ((g, n), FLOAT_DTYPES)}
+
+    def read_stored(self, ckpt: Checkpoint, module: str, n: int, k: int) -> dict[str, torch.Tensor]:
+        names = self.tensor_names(module)
+        return {role: ckpt.expect(names[role], shape, dtypes)
+                for role, (shape, dtypes) in self.stored_shapes(module, n, k).items()}
 
     def decode(self, stored: dict[str, torch.Tensor], n: int, k: int, name: str,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        expect_stored(stored, self.stored_shapes(name, n, k), name)
         q, z = unpack(stored["qweight"]), unpack(stored["qzeros"])  # (K, N), (G, N)
         s = stored["scales"].to(dtype)
         if not bool(torch.isfinite(s).all()):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_parity.errors import DecodeError, FormatError
-from vllm_parity.reference.formats import FLOAT_DTYPES, FormatSpec, register
+from vllm_parity.reference.formats import FLOAT_DTYPES, FormatSpec, expect_stored, register
 
 if TYPE_CHECKING:
     from vllm_parity.reference.checkpoint import Checkpoint
@@ -198,39 +198,50 @@ class CompressedTensorsSpec(FormatSpec):
             raise FormatError(f"{module}: in_features K={k} is not divisible by group_size={s.group_size}")
         return (n, k // s.group_size)
 
-    def read_stored(self, ckpt: Checkpoint, module: str, n: int, k: int) -> dict[str, torch.Tensor]:
-        s, names = self._scheme(module), self.tensor_names(module)
+    def stored_shapes(self, module: str, n: int, k: int) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
+        """Role -> (shape, dtypes) of one projection's stored tensors."""
+        s = self._scheme(module)
         scale_shape = self.scale_shape(s, n, k, module)
-        out = {"weight_scale": ckpt.expect(names["weight_scale"], scale_shape, FLOAT_DTYPES)}
+        out = {"weight_scale": (scale_shape, FLOAT_DTYPES)}
         if s.format == "pack-quantized":
-            out["weight_packed"] = ckpt.expect(names["weight_packed"], (n, -(-k // s.pack_factor)), (torch.int32,))
-            shape = ckpt.expect(names["weight_shape"], (2,), INT_DTYPES)
-            if [int(v) for v in shape] != [n, k]:
-                raise FormatError(f"{names['weight_shape']} says {[int(v) for v in shape]}, the model's "
-                                  f"{module} is ({n}, {k})")
-            out["weight_shape"] = shape
+            out["weight_packed"] = ((n, -(-k // s.pack_factor)), (torch.int32,))
+            out["weight_shape"] = ((2,), INT_DTYPES)
         else:
-            dtype = torch.float8_e4m3fn if s.format == "float-quantized" else torch.int8
-            out["weight"] = ckpt.expect(names["weight"], (n, k), (dtype,))
+            out["weight"] = ((n, k), (torch.float8_e4m3fn if s.format == "float-quantized" else torch.int8,))
         if not s.symmetric:
             zp_shape = scale_shape if s.format != "pack-quantized" or s.strategy == "tensor" else \
                 (-(-n // s.pack_factor), scale_shape[1])
-            out["weight_zero_point"] = ckpt.expect(names["weight_zero_point"], zp_shape,
-                                                   (torch.int32,) if s.format == "pack-quantized" and
-                                                   s.strategy != "tensor" else (torch.int8, *INT_DTYPES))
+            out["weight_zero_point"] = (zp_shape, (torch.int32,) if s.format == "pack-quantized" and
+                                        s.strategy != "tensor" else (torch.int8, *INT_DTYPES))
         if s.actorder:
-            g_idx = ckpt.expect(names["weight_g_idx"], (k,), INT_DTYPES)
-            groups = scale_shape[-1]
+            out["weight_g_idx"] = ((k,), INT_DTYPES)
+        return out
+
+    def read_stored(self, ckpt: Checkpoint, module: str, n: int, k: int) -> dict[str, torch.Tensor]:
+        names = self.tensor_names(module)
+        out = {role: ckpt.expect(names[role], shape, dtypes)
+               for role, (shape, dtypes) in self.stored_shapes(module, n, k).items()}
+        self._check_values(out, module, n, k, names)
+        return out
+
+    def _check_values(self, stored: dict[str, torch.Tensor], module: str, n: int, k: int,
+                      names: dict[str, str]) -> None:
+        if "weight_shape" in stored:
+            shape = [int(v) for v in stored["weight_shape"]]
+            if shape != [n, k]:
+                raise FormatError(f"{names['weight_shape']} says {shape}, the model's {module} is ({n}, {k})")
+        if "weight_g_idx" in stored:
+            g_idx, groups = stored["weight_g_idx"], self.scale_shape(self._scheme(module), n, k, module)[-1]
             if bool(((g_idx < 0) | (g_idx >= groups)).any()):
                 raise DecodeError(f"{names['weight_g_idx']}: group indices outside 0..{groups - 1}")
-            out["weight_g_idx"] = g_idx
-        return out
 
     def decode(self, stored: dict[str, torch.Tensor], n: int, k: int, name: str,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from compressed_tensors.compressors import BaseCompressor
 
         s = self._scheme(name)
+        expect_stored(stored, self.stored_shapes(name, n, k), name)  # read_stored's checks, for tensors from elsewhere
+        self._check_values(stored, name, n, k, self.tensor_names(name))
         local = dict(stored)
         local["weight_scale"] = stored["weight_scale"].to(dtype)  # exact: the product is formed in ``dtype``
         if "weight_shape" in local:

@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_parity.errors import DecodeError, FormatError
-from vllm_parity.reference.formats import (FLOAT_DTYPES, FormatSpec, GroupScaled4Bit, build, pack_nibbles,
-                                         register, unpack_nibbles)
+from vllm_parity.reference.formats import (FLOAT_DTYPES, FormatSpec, GroupScaled4Bit, build, expect_stored,
+                                         pack_nibbles, register, unpack_nibbles)
 
 if TYPE_CHECKING:
     from vllm_parity.reference.checkpoint import Checkpoint
+
+G_IDX_DTYPES = (torch.int32, torch.int64)
 
 
 @register
@@ -68,23 +70,35 @@ class GptqSpec(GroupScaled4Bit, FormatSpec):
     def tensor_names(self, module: str) -> dict[str, str]:
         return {r: f"{module}.{r}" for r in ("qweight", "qzeros", "scales", "g_idx")}
 
-    def read_stored(self, ckpt: Checkpoint, module: str, n: int, k: int) -> dict[str, torch.Tensor]:
-        if k % 8 or n % 8 or (self.group_size != -1 and k % self.group_size):
+    def stored_shapes(self, module: str, n: int, k: int) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
+        """Role -> (shape, dtypes) of the stored tensors; ``g_idx`` (optional) is checked apart."""
+        if n <= 0 or k <= 0 or k % 8 or n % 8 or (self.group_size != -1 and k % self.group_size):
             raise FormatError(f"{module}: ({n}, {k}) cannot be stored as gptq: in and out features must divide by 8 "
                               f"and in_features by group_size={self.group_size}")
-        g, names = self.groups(k), self.tensor_names(module)
-        out = {"qweight": ckpt.expect(names["qweight"], (k // 8, n), (torch.int32,)),
-               "qzeros": ckpt.expect(names["qzeros"], (g, n // 8), (torch.int32,)),
-               "scales": ckpt.expect(names["scales"], (g, n), FLOAT_DTYPES)}
+        g = self.groups(k)
+        return {"qweight": ((k // 8, n), (torch.int32,)), "qzeros": ((g, n // 8), (torch.int32,)),
+                "scales": ((g, n), FLOAT_DTYPES)}
+
+    def read_stored(self, ckpt: Checkpoint, module: str, n: int, k: int) -> dict[str, torch.Tensor]:
+        names = self.tensor_names(module)
+        out = {role: ckpt.expect(names[role], shape, dtypes)
+               for role, (shape, dtypes) in self.stored_shapes(module, n, k).items()}
         if names["g_idx"] in ckpt:
-            g_idx = ckpt.expect(names["g_idx"], (k,), (torch.int32, torch.int64))
-            if bool(((g_idx < 0) | (g_idx >= g)).any()):
-                raise DecodeError(f"{names['g_idx']}: group indices outside 0..{g - 1}")
-            out["g_idx"] = g_idx
+            out["g_idx"] = self._check_g_idx(ckpt.expect(names["g_idx"], (k,), G_IDX_DTYPES), k, names["g_idx"])
         return out
+
+    def _check_g_idx(self, g_idx: torch.Tensor, k: int, where: str) -> torch.Tensor:
+        g = self.groups(k)
+        if bool(((g_idx < 0) | (g_idx >= g)).any()):
+            raise DecodeError(f"{where}: group indices outside 0..{g - 1}")
+        return g_idx
 
     def decode(self, stored: dict[str, torch.Tensor], n: int, k: int, name: str,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        expect_stored(stored, self.stored_shapes(name, n, k), name)
+        if stored.get("g_idx") is not None:
+            expect_stored(stored, {"g_idx": ((k,), G_IDX_DTYPES)}, name)
+            self._check_g_idx(stored["g_idx"], k, f"{name}.g_idx")
         q = unpack(stored["qweight"].T).T  # (K, N): word r of column n holds inputs 8r..8r+7
         z = unpack(stored["qzeros"]) + 1  # (G, N)
         s = stored["scales"].to(dtype)

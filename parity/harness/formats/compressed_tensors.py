@@ -65,9 +65,11 @@ class Projection(WeightProjection):
     def _group_hyps(self) -> list[_Hyp]:
         groups = self.scale.shape[1]
         out = []
+        self.known_orders = []  # orders named here: the fitted order (diagnosis' regrouped) does not repeat them
         if groups > 1:
             for shift, where in ((1, "the next"), (-1, "the previous")):
                 perm = (torch.arange(groups) + shift) % groups
+                self.known_orders.append(perm)
                 out.append(_Hyp("scale_groups", f"each group of {self.scheme.group_size} inputs scaled with {where} "
                                 f"group's scales (groups shifted by {shift:+d})",
                                 f"index the scales of {self.module} with input // group_size "
@@ -75,6 +77,7 @@ class Projection(WeightProjection):
                                 rows=self._group_rows(perm=perm)))
             if groups % 2 == 0:
                 perm = torch.arange(groups).reshape(-1, 2).flip(1).reshape(-1)
+                self.known_orders.append(perm)
                 out.append(_Hyp("scale_groups", "the scales of each pair of neighbouring groups exchanged",
                                 f"index the scales of {self.module} with input // group_size", rows=self._group_rows(
                                     perm=perm)))
@@ -85,6 +88,10 @@ class Projection(WeightProjection):
                                 f"{self.scheme.num_bits}-bit, no offset) and subtract them from the codes",
                                 rows=self._group_rows(zero_shift=shift)))
         return out
+
+    def _unscaled(self, idx: torch.Tensor) -> torch.Tensor | None:
+        """The weight rows before their group scales: codes less zero points (None: not unpacked here)."""
+        return self._group_rows(mode=None)(idx) if hasattr(self, "q") else None
 
     def decodes_alike(self, idx, w):
         return not hasattr(self, "q") or torch.allclose(self._group_rows()(idx), w, rtol=1e-5, atol=1e-7)

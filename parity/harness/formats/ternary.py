@@ -26,6 +26,10 @@ class Projection(WeightProjection):
     def decodes_alike(self, idx, w):
         return torch.allclose(self._rows_fn()(idx), w, rtol=1e-6, atol=0.0)
 
+    def _unscaled(self, idx: torch.Tensor) -> torch.Tensor:
+        """The weight rows before their scale: what a group's scale multiplies (or divides)."""
+        return self._values(idx, None, self.lut)
+
     # -- decoding under a hypothesis --
 
     def _codes(self, idx: torch.Tensor, perm: torch.Tensor | None = None) -> torch.Tensor:
@@ -167,12 +171,13 @@ class Projection(WeightProjection):
             parts.append(self._product(rsel, ind))
         parts = torch.stack(parts)  # (codes, rows, channels)
         mats = torch.tensor(maps, dtype=torch.float64)
-        preds = torch.einsum("mu,urc->mrc", mats, parts)
+        preds = self._biased(torch.einsum("mu,urc->mrc", mats, parts), idx)
         c, r = self._sample_c, self._sample_r
         dev = (c - r).norm()
         if not float(dev) > 0:
             return []
         shares = (c.unsqueeze(0) - preds).flatten(1).norm(dim=1) / dev
+        self.checked.append(("code_table", float(shares.min())))
         out = []
         for i in torch.argsort(shares)[:3].tolist():
             if not float(shares[i]) <= SCREEN:

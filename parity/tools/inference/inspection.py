@@ -15,11 +15,11 @@ import torch
 
 from vllm_parity.errors import CheckpointError, ParityInputError
 from vllm_parity import architectures
-from vllm_parity.reference.checkpoint import Checkpoint, linear_shapes, parameter_shapes
+from vllm_parity.reference.checkpoint import Checkpoint, linear_shapes, parameter_shapes, stored_names
 from vllm_parity.reference.formats import FormatSpec
 from vllm_parity.tools.inference import registry
 from vllm_parity.tools.inference.keys import Keys
-from vllm_parity.tools.inference.layout import Matrix, open_against, scan
+from vllm_parity.tools.inference.layout import Matrix, fmt_shape, open_against, scan
 from vllm_parity.tools.inference.mapping import vllm_mapping
 from vllm_parity.tools.inference.stats import jsonable, natural_sorted, show, tensor_stats
 
@@ -144,6 +144,7 @@ class Inspection:
         tensor_pass = self.tensor_pass()
         if fmt is not None:
             fmt.after_pass(self, tensor_pass.entries)
+        self.check_stored(tensor_pass.tensors)
         verification = self.verification(tensor_pass.checks)
         self.check_declared()
         return self.report(tensor_pass.tensors, tensor_pass.entries, verification)
@@ -168,6 +169,23 @@ class Inspection:
         return tp
 
     # -- after the pass ---------------------------------------------------------------------------
+
+    def check_stored(self, tensors: dict[str, dict]) -> None:
+        """What no checkpoint may hold, named by file and tensor: NaN or Inf, and a float tensor whose shape
+        differs from the one transformers' model of config.json gives it."""
+        try:
+            expected = {k: v for sources in stored_names(self.ckpt.config).values() for k, v in sources.items()}
+        except CheckpointError:  # already a warning: the architecture cannot be built from config.json
+            expected = {}
+        for key in natural_sorted(tensors):
+            t = tensors[key]
+            where = f"{t['file']}: tensor {key!r}"
+            if t["nonfinite"]:
+                self.warnings.append(f"{where} holds {t['nonfinite']} NaN or Inf value(s); expected finite numbers")
+            want = expected.get(key)
+            if want is not None and t["role"] in ("float", "float weight") and tuple(t["shape"]) != tuple(want):
+                self.warnings.append(f"{where} has shape {fmt_shape(t['shape'])}, expected {fmt_shape(want)} "
+                                     f"from config.json")
 
     def verification(self, checks: list[dict]) -> dict[str, Any] | None:
         if self.fck is None:

@@ -506,6 +506,7 @@ class TernaryFormat(Format):
             insp.warnings.append(
                 f"code_map: {where} code_map {list(code_map)} marks code(s) {bad} as must-not-occur, but they "
                 f"occur {sum(hist[c] for c in bad)} times: decoding this checkpoint fails")
+            _name_illegal_bytes(insp, entries, bad, TernarySpec(code_map=tuple(code_map)))
         if len(hist) and sum(1 for x in hist if x) == 4:
             insp.notes.append("all four 2-bit codes occur: two codes share a value, or the data is not ternary")
 
@@ -559,3 +560,16 @@ class TernaryFormat(Format):
         detail = "codes " + "/".join(pct(f) for f in entry["code_fractions"]) if entry.get("code_fractions") else "-"
         return [entry["module"], shape(entry["logical_shape"]), shape(entry["stored_shape"]), packed, scale,
                 pct(entry.get("zero_fraction")), detail, "2"]
+
+
+def _name_illegal_bytes(insp: Inspection, entries: list[dict], bad: list[int], spec: TernarySpec) -> None:
+    """One warning per packed tensor holding a must-not-occur code: its file, its name, where, which byte."""
+    for e in entries:
+        h = e.get("code_histogram")
+        if not h or not any(h[c] for c in bad):
+            continue
+        key = insp.by_module[e["module"]].keys["weight"]
+        try:
+            ternary.check_bytes(insp.ckpt.tensor(key), spec, f"{insp.ckpt.tensors[key].file.name}: tensor {key!r}")
+        except ParityInputError as exc:
+            insp.warnings.append(str(exc))
