@@ -17,5 +17,9 @@ class DecodeError(ParityInputError):
     """Stored data that does not decode: a code that must not occur, an inconsistent stream."""
 
 
+class PromptsError(ParityInputError):
+    """A prompt file that is not a JSON array of token-id arrays inside the vocabulary."""
+
+
 class EngineUnsupported(RuntimeError):
     """The engine cannot serve this checkpoint here (a kernel its build lacks, a dtype its method refuses)."""

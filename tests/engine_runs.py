@@ -173,20 +173,38 @@ def has_wna16() -> bool:
     return hasattr(torch.ops._C, "cpu_gemm_wna16")
 
 
-def four_bit_passes_in_bf16(model, tmp_path) -> None:
-    """A 4-bit checkpoint served in bf16 passes every level (skipped where vLLM has no 4-bit kernel)."""
+def four_bit_checked_in_bf16(model, tmp_path, faults: dict, faulty_model=None) -> list[bool]:
+    """A 4-bit checkpoint served in bf16 passes every level (skipped where vLLM has no 4-bit kernel); then, on the
+    same engine, ``faults`` (``{tap: (change for llm.apply_model, hint kind, a regex its evidence matches)}``, one
+    tap each) planted at once: in isolated mode (auto's choice in bf16) exactly those taps are sources, each with
+    its hint first. ``faulty_model``: the checkpoint the faulty run's reference reads, where a fault is in how
+    vLLM reads the checkpoint (the engine's layers then reloaded as vLLM would read that checkpoint). Returns,
+    per fault, whether its layer ran vLLM's W4A8 kernel (the changes' answers)."""
+    import re
+
     import pytest
 
     if not has_wna16():
         pytest.skip("vLLM's CPU build here has no cpu_gemm_wna16 (AVX-512 builds only): the refusal is checked "
                     "instead")
-    s = session(model, tmp_path, "w4", level="model", dtype="bfloat16")
-    try:
+
+    def passes(s):
         assert s.mode == "isolated" and not [t.name for t in s.judgement().taps if not t.verdict]
         for check in ("greedy", "topk", "logprobs"):
             assert s.check(check)["passed"], (check, s.check(check))
+
+    llm = checked_engine(model, tmp_path, passes, level="model", dtype="bfloat16")
+    w4a8 = [llm.apply_model(change)[0] for change, _, _ in faults.values()]
+    faulty = session(faulty_model or model, tmp_path, "faulty", llm=llm, level="op", dtype="bfloat16")
+    try:
+        assert faulty.mode == "isolated"
+        assert sorted(t.name for t in faulty.judgement().taps if t.role == "source") == sorted(faults)
+        for tap, (_, kind, says) in faults.items():
+            hints = faulty.diagnosis().of(tap)
+            assert hints and hints[0].kind == kind and re.search(says, hints[0].evidence), (tap, hints)
     finally:
-        s.finish()
+        faulty.finish()
+    return w4a8
 
 
 def four_bit_refused(model, tmp_path, method: str) -> None:
@@ -204,3 +222,79 @@ def four_bit_refused(model, tmp_path, method: str) -> None:
             s.judgement()
     finally:
         s.finish()
+
+
+def four_bit_scales_changed(module: str, fault: str, channel: int = 5):
+    """A change for ``llm.apply_model``: one unfused projection's 4-bit group scales, as vLLM's CPU kernel keeps
+    them after loading, changed by ``fault``: ``channel`` (every scale of output ``channel`` × 2), ``next_group``
+    (each group scaled by the next group's scales), ``pairs`` (the scales of neighbouring groups exchanged).
+
+    With AMX in bf16 vLLM repacks for its W4A8 kernel: scales float32 in blocks (N / 32, G, 32); its W4A16
+    kernel keeps them (G, N). Either way the scales stay apart from the codes, so they can be changed in place."""
+
+    def change(model):
+        import torch
+
+        layer = model.get_submodule(module)
+        t = (layer.weight_scale if hasattr(layer, "weight_scale") else layer.scales).data
+        blocked = bool(getattr(layer, "use_w4a8", False))
+        v = t.permute(1, 0, 2).reshape(t.shape[1], -1).clone() if blocked else t.clone()  # (G, N)
+        groups = torch.arange(v.shape[0])
+        if fault == "channel":
+            v[:, channel] *= 2
+        elif fault == "next_group":
+            v = v[(groups + 1) % len(groups)]
+        elif fault == "pairs":
+            v = v[groups.reshape(-1, 2).flip(1).reshape(-1)]
+        else:
+            raise ValueError(f"unknown scale fault {fault!r}; known: channel, next_group, pairs")
+        t.copy_(v.reshape(t.shape[1], t.shape[0], t.shape[2]).permute(1, 0, 2) if blocked else v)
+        return blocked
+    return change
+
+
+def four_bit_reloaded(module: str, tensors: dict, dtype: str = "bfloat16"):
+    """A change for ``llm.apply_model``: one unfused projection's 4-bit parameters set to ``tensors`` (name →
+    tensor, in the layout vLLM's CPU kernel takes at load: compressed-tensors' as stored, AWQ's after vLLM turned
+    it into GPTQ's) and the kernel's ``process_weights_after_loading`` run again over them, as at load. For faults
+    in the kernel's blocked layout, where a zero point or a code also enters a precomputed compensation."""
+
+    def change(model):
+        import torch
+
+        layer = model.get_submodule(module)
+        kernel = getattr(getattr(layer, "scheme", None), "kernel", None) or layer.quant_method.kernel
+        for name, t in tensors.items():
+            getattr(layer, name).data = t.to(getattr(torch, dtype)) if t.is_floating_point() else t.clone()
+        kernel.process_weights_after_loading(layer)
+        return bool(getattr(layer, "use_w4a8", False))
+    return change
+
+
+def stored(model, module: str) -> dict:
+    """``module``'s tensors in a one-file checkpoint, by their names within the module."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    return {k.removeprefix(f"{module}."): v for k, v in load_file(Path(model) / "model.safetensors").items()
+            if k.startswith(f"{module}.")}
+
+
+def nibbles(words, dim: int):
+    """The eight 4-bit values of each int32 word of ``words``, lowest first, laid along ``dim``."""
+    import torch
+
+    v = (words.unsqueeze(-1) >> torch.arange(0, 32, 4, dtype=torch.int32)) & 15
+    v = v.movedim(-1, dim + 1) if dim == 0 else v
+    return v.reshape(*words.shape[:dim], words.shape[dim] * 8, *words.shape[dim + 1:])
+
+
+def words(values, dim: int):
+    """``values`` (0..15) packed eight a word along ``dim``, the first in the lowest bits (vLLM's standard)."""
+    import torch
+
+    v = values.to(torch.int64).movedim(dim, -1)
+    v = v.reshape(*v.shape[:-1], -1, 8) << torch.arange(0, 32, 4)
+    packed = v.sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).movedim(-1, dim)

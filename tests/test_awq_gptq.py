@@ -2,6 +2,8 @@
 hand-worked words, AWQ's against compressed-tensors' own AutoAWQ converter, and on the real engine where
 vLLM's CPU build has its 4-bit kernel."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -12,7 +14,8 @@ from vllm_parity.fixtures.checkpoints import Dims
 from vllm_parity.fixtures.gptq import encode as gptq_encode, make_gptq_fixture
 from vllm_parity.reference.formats import awq, gptq, parse_quantization_config
 
-from tests.engine_runs import four_bit_passes_in_bf16, four_bit_refused, session
+from tests.engine_runs import (four_bit_checked_in_bf16, four_bit_refused, four_bit_reloaded,
+                               four_bit_scales_changed, has_wna16, nibbles, session, stored, words)
 
 SMALL = Dims(hidden=128, layers=3, heads=2, kv_heads=1, intermediate=256, vocab=1024)
 
@@ -143,12 +146,102 @@ MAKERS = {"awq": lambda d: make_awq_fixture(d, dims=SMALL),
           "gptq": lambda d: make_gptq_fixture(d, dims=SMALL)}
 
 
+def _awq_words_read_in_order(model, module: str):
+    """``module``'s AWQ words read in plain nibble order (nibble i: output 8j + i) instead of AutoAWQ's
+    interleave, codes and zero points alike, handed to vLLM's kernel as its AWQ method hands them over (GPTQ's
+    layout: codes packed along the inputs, zero points along the outputs)."""
+    t = stored(model, module)
+    q, z = nibbles(t["qweight"], 1), nibbles(t["qzeros"], 1)  # (K, N), (G, N)
+    return four_bit_reloaded(module, {"qweight": words(q, 0), "qzeros": words(z.T, 0), "scales": t["scales"]})
+
+
+def _gptq_groups_relabelled(model, out, module: str):
+    """A copy of the GPTQ checkpoint ``model`` at ``out`` in which ``module``'s neighbouring groups exchange their
+    scale rows and ``g_idx`` says so (the same weight, read through ``g_idx``), with desc_act still false: vLLM
+    0.32 drops ``g_idx`` at load (its ``get_checkpoint_weight_mapper``) and its CPU kernel takes no group index, so
+    it reads input i with the scales of row i // group_size."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    tensors = load_file(Path(out) / "model.safetensors")
+    scales = tensors[f"{module}.scales"]
+    pairs = torch.arange(scales.shape[0]).reshape(-1, 2).flip(1).reshape(-1)
+    tensors[f"{module}.scales"] = scales[pairs].contiguous()
+    tensors[f"{module}.g_idx"] = pairs[tensors[f"{module}.g_idx"].long()].to(torch.int32)
+    save_file(tensors, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+UNDECIDED = r"no checked cause explains the error"
+SCALE_FAULTS = {
+    "layers.0.mlp.down": (four_bit_scales_changed("model.layers.0.mlp.down_proj", "channel"), "scale_wrong",
+                          r"1 of 128 channel\(s\) × (1\.99\d*|2\.00\d*|2) \(channels 5\)"),
+    "layers.2.attn.o": (four_bit_scales_changed("model.layers.2.self_attn.o_proj", "pairs"), "scale_groups",
+                        r"exchanged"),
+}
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(MAKERS))
-def test_served_in_bf16_every_level_passes(tmp_path, name):
+def test_awq_in_bf16_passes_and_planted_faults_are_localized(tmp_path):
+    """On one engine: every level passes; then a doubled channel scale, neighbouring groups' scales exchanged and
+    AWQ's words read in plain order (no hypothesis names a packing order: nothing is named, wrongly or not) are
+    each the only source at their tap."""
     pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
-    four_bit_passes_in_bf16(MAKERS[name](tmp_path / name), tmp_path)
+    model = make_awq_fixture(tmp_path / "awq", dims=SMALL)
+    module = "model.layers.1.mlp.down_proj"
+    four_bit_checked_in_bf16(model, tmp_path, {
+        **SCALE_FAULTS, "layers.1.mlp.down": (_awq_words_read_in_order(model, module), "undecided", UNDECIDED)})
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_gptq_in_bf16_passes_and_planted_faults_are_localized(tmp_path):
+    """On one engine: every level passes; then a doubled channel scale and neighbouring groups' scales exchanged
+    are each the only source at their tap, and a checkpoint whose ``g_idx`` relabels one layer's groups (desc_act
+    false) is read by vLLM without it: that layer, reloaded from it as vLLM loads it, is the only other source."""
+    pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
+    model = make_gptq_fixture(tmp_path / "gptq", dims=SMALL)
+    module = "model.layers.1.mlp.down_proj"
+    relabelled = _gptq_groups_relabelled(model, tmp_path / "relabelled", module)
+    t = stored(relabelled, module)
+    reload = four_bit_reloaded(module, {k: t[k] for k in ("qweight", "scales")})  # (symmetric: vLLM drops qzeros)
+    four_bit_checked_in_bf16(model, tmp_path, {**SCALE_FAULTS, "layers.1.mlp.down": (reload, "undecided", UNDECIDED)},
+                             faulty_model=relabelled)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.nightly
+def test_gptq_g_idx_is_ignored_by_vllm_when_it_loads_the_checkpoint(tmp_path):
+    """The engine loading the relabelled checkpoint itself: the layer whose ``g_idx`` matters is the only source."""
+    pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
+    if not has_wna16():
+        pytest.skip("vLLM's CPU build here has no cpu_gemm_wna16 (AVX-512 builds only)")
+    model = _gptq_groups_relabelled(make_gptq_fixture(tmp_path / "gptq", dims=SMALL), tmp_path / "relabelled",
+                                    "model.layers.1.mlp.down_proj")
+    s = session(model, tmp_path, "w4", level="op", dtype="bfloat16")
+    try:
+        assert s.mode == "isolated"
+        assert [t.name for t in s.judgement().taps if t.role == "source"] == ["layers.1.mlp.down"]
+    finally:
+        s.finish()
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.sampled_from([8, 16]), cols=st.sampled_from([8, 24]), dim=st.integers(0, 1), seed=st.integers(0, 99))
+def test_the_engine_tests_nibble_packing_is_vllms(rows, cols, dim, seed):
+    """The packing the engine tests plant faults with is vLLM's own (its ``pack_quantized_values_into_int32``)."""
+    pytest.importorskip("vllm", reason="compared with vLLM's packer")
+    from vllm.model_executor.layers.quantization.utils.quant_utils import pack_quantized_values_into_int32
+    from vllm.scalar_type import scalar_types
+
+    v = torch.randint(0, 16, (rows, cols), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+    packed = words(v, dim)
+    assert torch.equal(packed, pack_quantized_values_into_int32(v, scalar_types.uint4, dim))
+    assert torch.equal(nibbles(packed, dim), v)
 
 
 @pytest.mark.vllm

@@ -255,6 +255,17 @@ def test_a_checkpoint_that_does_not_open_is_a_usage_error(pytester, broken, case
     _usage_error(pytester, broken, says)
 
 
+def test_a_bad_prompt_file_is_a_usage_error(pytester, broken, tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text("[[1, 2], [3, 99999]]")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--parity-level=op", f"--parity-model={broken}",
+                                "--parity-candidate=kernels", f"--parity-prompts={prompts}")
+    out = result.stdout.str() + result.stderr.str()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, out[-3000:]
+    assert "INTERNALERROR" not in out and "Traceback" not in out, out[-3000:]
+    assert f"{prompts}: prompt 1, position 1: token 99999 >= vocab_size" in out, out[-3000:]
+
+
 # -- a full disk ----------------------------------------------------------------------------------------------------
 
 @pytest.fixture

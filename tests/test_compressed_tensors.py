@@ -18,8 +18,8 @@ from vllm_parity.reference.checkpoint import Checkpoint
 from vllm_parity.reference.formats import parse_quantization_config
 from vllm_parity.reference.linear import fp8_fake_quant
 
-from tests.engine_runs import (checked_engine, doubled_channel_is_found, four_bit_passes_in_bf16, four_bit_refused,
-                               session)
+from tests.engine_runs import (checked_engine, doubled_channel_is_found, four_bit_checked_in_bf16, four_bit_refused,
+                               four_bit_reloaded, four_bit_scales_changed, nibbles, session, stored, words)
 
 SMALL = Dims(hidden=128, layers=3, heads=2, kv_heads=1, intermediate=256, vocab=1024)
 
@@ -347,12 +347,57 @@ def test_w8a8_int8_without_vnni_its_saturating_gemm_is_named(tmp_path):
         s.finish()
 
 
+def _zero_points_plus_one(model, module: str):
+    """``module``'s stored tensors with every zero point + 1 (its nibble, packed along the output axis), for vLLM
+    to repack: its W4A8 kernel folds zero points into a compensation computed at load."""
+    t = {k: v for k, v in stored(model, module).items() if k != "weight_shape"}
+    t["weight_zero_point"] = words((nibbles(t["weight_zero_point"], 0) + 1) & 15, 0)
+    return four_bit_reloaded(module, t)
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ct-w4a16", "ct-w4a16-asym"])
-def test_w4a16_in_bf16_passes(tmp_path, name):
+@pytest.mark.parametrize("name, arch", [("ct-w4a16", "llama"), ("ct-w4a16-asym", "llama"), ("ct-w4a16-asym", "qwen2"),
+                                        pytest.param("ct-w4a16", "qwen2", marks=pytest.mark.nightly)])
+def test_w4a16_in_bf16_passes_and_planted_faults_are_localized(tmp_path, name, arch):
+    """On one engine: every level passes; then a doubled channel scale, groups reading the next group's scales,
+    neighbouring groups' scales exchanged and (asymmetric) zero points off by one, each in its own layer, are each
+    the only source at their tap, with their hint first."""
     pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
-    four_bit_passes_in_bf16(make_ct_fixture(name, tmp_path / "w4", dims=SMALL), tmp_path)
+    model = make_ct_fixture(name, tmp_path / "w4", dims=SMALL, arch=arch)
+    faults = {
+        "layers.0.mlp.down": (four_bit_scales_changed("model.layers.0.mlp.down_proj", "channel"), "scale_wrong",
+                              r"1 of 128 channel\(s\) × (1\.99\d*|2\.00\d*|2) \(channels 5\)"),
+        "layers.1.mlp.down": (four_bit_scales_changed("model.layers.1.mlp.down_proj", "next_group"), "scale_groups",
+                              r"scaled with the next group's scales \(groups shifted by \+1\)"),
+        "layers.1.attn.o": (four_bit_scales_changed("model.layers.1.self_attn.o_proj", "pairs"), "scale_groups",
+                            "the scales of each pair of neighbouring groups exchanged"),
+    }
+    if name == "ct-w4a16-asym":
+        faults["layers.2.mlp.down"] = (_zero_points_plus_one(model, "model.layers.2.mlp.down_proj"), "zero_point",
+                                       r"every zero point read \+1 off its stored value")
+    w4a8 = four_bit_checked_in_bf16(model, tmp_path, faults)
+    assert set(w4a8) == {torch.cpu._is_amx_tile_supported()}  # vLLM's W4A8 kernel where AMX is (its own test)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.nightly
+def test_w4a16_through_vllms_w4a16_kernel_too(tmp_path, monkeypatch):
+    """With AMX vLLM serves 4-bit in bf16 through its W4A8 kernel; turned off (as on AVX-512 CPUs without AMX)
+    it takes ``cpu_gemm_wna16``, scales and zero points in another layout: the same run and faults hold there."""
+    pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
+    monkeypatch.setenv("VLLM_CPU_INT4_W4A8", "0")
+    model = make_ct_fixture("ct-w4a16-asym", tmp_path / "w4", dims=SMALL)
+    w4a8 = four_bit_checked_in_bf16(model, tmp_path, {
+        "layers.0.mlp.down": (four_bit_scales_changed("model.layers.0.mlp.down_proj", "channel"), "scale_wrong",
+                              r"1 of 128 channel\(s\) × (1\.99\d*|2\.00\d*|2) \(channels 5\)"),
+        "layers.1.attn.o": (four_bit_scales_changed("model.layers.1.self_attn.o_proj", "pairs"), "scale_groups",
+                            "the scales of each pair of neighbouring groups exchanged"),
+        "layers.2.mlp.down": (_zero_points_plus_one(model, "model.layers.2.mlp.down_proj"), "zero_point",
+                              r"every zero point read \+1 off its stored value"),
+    })
+    assert w4a8 == [False] * 3
 
 
 @pytest.mark.vllm

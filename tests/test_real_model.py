@@ -70,7 +70,9 @@ def test_every_level_passes_with_default_options(pytester, prompts, fmt):
     result.assert_outcomes(passed=TAPS + 3)
     rep = report(pytester)
     assert rep["passed"] and rep["first_divergence"] is None and rep["hints"] == []
-    assert rep["separation"]["worst_passing"]["margin"] > 5  # the worst correct tap is far inside its tolerance
+    # the worst correct tap is far inside its tolerance: 1/4.9 on an AVX-512/AMX CPU (layers.2.mlp.act, a
+    # small row of token 1 under the row-scaled element bound), more elsewhere; the faults of the zoo sit above 1
+    assert rep["separation"]["worst_passing"]["margin"] > 3
     result.stdout.fnmatch_lines(["*separation: the passing tap closest to its tolerance is *"])
 
 

@@ -35,6 +35,7 @@ KINDS = ("code_table", "bit_order", "pack_layout", "scale_missing", "scale_inver
          "group_size", "slices_swapped", "tp_shard", "drift", "int8_saturation", "scale_wrong", "scale_groups",
          "zero_point", "bias", "activation_quant", "undecided")
 KINDS += ("norm_epsilon", "rope", "routing")  # the hints of norm, attention and router taps (op_hints)
+KINDS += ("packing_order", "g_idx_ignored")  # 4-bit words read in another field order; g_idx read by position
 
 EXPLAINED = 0.1  # a channel is explained when the residual is at most this share of its deviation
 MIN_SHARE = 0.9  # ... for at least this share of the channels
@@ -448,7 +449,7 @@ class WeightProjection:
             if sc.holds():
                 found.append((sc.share, h, sc))
         if not found:  # the candidate as the reference times a factor, or plus an offset, fitted per channel
-            fitted = [self._fitted_scale_hyp(channels)] if self.granularity in ("tensor", "channel") else []
+            fitted = [self._fitted_scale_hyp(channels)]
             for h in fitted + [hypotheses.fitted_offset(self, channels)]:
                 sc = None if h is None else self._score(self._predict(h, channels, rows_all), channels)
                 if sc is not None and sc.holds() and sc.share <= SCREEN:  # (fitted: it must explain most of it)
