@@ -146,6 +146,56 @@ MAKERS = {"awq": lambda d: make_awq_fixture(d, dims=SMALL),
           "gptq": lambda d: make_gptq_fixture(d, dims=SMALL)}
 
 
+def _diagnosed(model, module: str, wrong_weight):
+    """The hints of ``module``'s tap where the candidate computed ``x @ wrong_weight(stored)ᵀ`` instead."""
+    from vllm_parity.harness.diagnosis import LinearContext, diagnose_tap
+    from vllm_parity.reference.checkpoint import Checkpoint
+    from vllm_parity.reference.linear import ReferenceLinear
+
+    ckpt = Checkpoint(model)
+    n, k = ckpt.linear_shapes()[module]
+    lin = ReferenceLinear(module, ckpt.spec, ckpt.spec.read_stored(ckpt, module, n, k), n, k)
+    x = torch.randn(48, k, generator=torch.Generator().manual_seed(5))
+    return diagnose_tap(module.split("model.")[-1], lin(x), x @ wrong_weight(stored(model, module)).T,
+                        LinearContext(module, x, lin))
+
+
+def _grouped(codes, zeros, scales, group):
+    """(N, K) weight from codes (N, K), zero points (N, G), scales (N, G) and the group of each input (K,)."""
+    return (codes.float() - zeros[:, group].float()) * scales[:, group].float()
+
+
+@pytest.mark.parametrize("which", ["both", "qweight"])
+def test_awq_words_read_in_another_nibble_order_are_named(tmp_path, which):
+    """AWQ's words read in plain nibble order (nibble i: channel 8j + i) instead of AutoAWQ's interleave, codes
+    and zero points alike or the codes alone: the hint names the order, the tensors and the interleave."""
+    model = make_awq_fixture(tmp_path / "awq", dims=SMALL)
+
+    def wrong(t):
+        q = nibbles(t["qweight"], 1).T  # (N, K), nibble i of word j as channel 8j + i
+        z = nibbles(t["qzeros"], 1).T if which == "both" else awq.unpack(t["qzeros"]).T
+        return _grouped(q, z, t["scales"].T, torch.arange(q.shape[1]) // 32)
+
+    hints = _diagnosed(model, "model.layers.1.mlp.down_proj", wrong)
+    assert hints and hints[0].kind == "packing_order", hints
+    named = "qweight and qzeros" if which == "both" else "qweight read in plain order"
+    assert named in hints[0].evidence and "AutoAWQ's interleave (0, 2, 4, 6, 1, 3, 5, 7)" in hints[0].evidence, \
+        hints[0].evidence
+
+
+def test_gptq_g_idx_ignored_is_named(tmp_path):
+    """A GPTQ checkpoint with activation order read with groups by position (input k in group k // size)."""
+    model = make_gptq_fixture(tmp_path / "gptq", dims=SMALL, act_order=True)
+
+    def wrong(t):
+        q, z = nibbles(t["qweight"], 0).T, nibbles(t["qzeros"], 1).T  # (N, K), (N, G): inputs, outputs in order
+        return _grouped(q, z + 1, t["scales"].T, torch.arange(q.shape[1]) // 32)
+
+    hints = _diagnosed(model, "model.layers.1.mlp.down_proj", wrong)
+    assert hints and hints[0].kind == "g_idx_ignored", hints
+    assert "instead of g_idx[k]" in hints[0].evidence, hints[0].evidence
+
+
 def _awq_words_read_in_order(model, module: str):
     """``module``'s AWQ words read in plain nibble order (nibble i: output 8j + i) instead of AutoAWQ's
     interleave, codes and zero points alike, handed to vLLM's kernel as its AWQ method hands them over (GPTQ's
@@ -174,7 +224,6 @@ def _gptq_groups_relabelled(model, out, module: str):
     return out
 
 
-UNDECIDED = r"no checked cause explains the error"
 SCALE_FAULTS = {
     "layers.0.mlp.down": (four_bit_scales_changed("model.layers.0.mlp.down_proj", "channel"), "scale_wrong",
                           r"1 of 128 channel\(s\) × (1\.99\d*|2\.00\d*|2) \(channels 5\)"),
@@ -187,13 +236,13 @@ SCALE_FAULTS = {
 @pytest.mark.slow
 def test_awq_in_bf16_passes_and_planted_faults_are_localized(tmp_path):
     """On one engine: every level passes; then a doubled channel scale, neighbouring groups' scales exchanged and
-    AWQ's words read in plain order (no hypothesis names a packing order: nothing is named, wrongly or not) are
-    each the only source at their tap."""
+    AWQ's words read in plain nibble order are each the only source at their tap, with their hint."""
     pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
     model = make_awq_fixture(tmp_path / "awq", dims=SMALL)
     module = "model.layers.1.mlp.down_proj"
     four_bit_checked_in_bf16(model, tmp_path, {
-        **SCALE_FAULTS, "layers.1.mlp.down": (_awq_words_read_in_order(model, module), "undecided", UNDECIDED)})
+        **SCALE_FAULTS, "layers.1.mlp.down": (_awq_words_read_in_order(model, module), "packing_order",
+                                              r"qweight and qzeros read in plain order")})
 
 
 @pytest.mark.vllm
@@ -201,14 +250,15 @@ def test_awq_in_bf16_passes_and_planted_faults_are_localized(tmp_path):
 def test_gptq_in_bf16_passes_and_planted_faults_are_localized(tmp_path):
     """On one engine: every level passes; then a doubled channel scale and neighbouring groups' scales exchanged
     are each the only source at their tap, and a checkpoint whose ``g_idx`` relabels one layer's groups (desc_act
-    false) is read by vLLM without it: that layer, reloaded from it as vLLM loads it, is the only other source."""
+    false) is read by vLLM without it: that layer, reloaded from it as vLLM loads it, is the only other source, its
+    hint the group index ignored."""
     pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
     model = make_gptq_fixture(tmp_path / "gptq", dims=SMALL)
     module = "model.layers.1.mlp.down_proj"
     relabelled = _gptq_groups_relabelled(model, tmp_path / "relabelled", module)
     t = stored(relabelled, module)
     reload = four_bit_reloaded(module, {k: t[k] for k in ("qweight", "scales")})  # (symmetric: vLLM drops qzeros)
-    four_bit_checked_in_bf16(model, tmp_path, {**SCALE_FAULTS, "layers.1.mlp.down": (reload, "undecided", UNDECIDED)},
+    four_bit_checked_in_bf16(model, tmp_path, {**SCALE_FAULTS, "layers.1.mlp.down": (reload, "g_idx_ignored", r"instead of g_idx\[k\]")},
                              faulty_model=relabelled)
 
 

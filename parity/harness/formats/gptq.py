@@ -1,13 +1,17 @@
 """Weight hypotheses of the ``gptq`` format: the generic group ones (:mod:`.grouped`) over its codes and zero
-points (stored less one), unpacked as the reference reads them; with ``g_idx`` (activation order) the groups
-are not blocks of inputs, and no group order is fitted."""
+points (stored less one), unpacked as the reference reads them; its words read in another nibble order; with a
+``g_idx`` that is not ``input // group_size`` (activation order) the groups are not blocks of inputs, no group
+order is fitted, and a kernel may read them by position."""
 
 from __future__ import annotations
 
 import torch
 
-from vllm_parity.harness.formats.grouped import GroupedProjection
+from vllm_parity.harness.formats.grouped import GroupedProjection, Packed, PackedWeight
 from vllm_parity.reference.formats import gptq
+
+SAID = "GPTQ's order"
+PLAIN = tuple(range(8))
 
 
 class Projection(GroupedProjection):
@@ -19,5 +23,7 @@ class Projection(GroupedProjection):
         self.scale_stored = stored["scales"].T  # (N, G)
         size = self.k if self.spec.group_size == -1 else self.spec.group_size
         g_idx = stored.get("g_idx")
-        self.group_index = torch.arange(self.k) // size if g_idx is None else g_idx.to(torch.int64)
-        self.unscaled_rows = (q - z[self.group_index]).T.to(torch.float32).contiguous()
+        self._set_weight(PackedWeight(
+            q.T.contiguous(), z.T.contiguous(), torch.arange(self.k) // size if g_idx is None else g_idx.to(torch.int64),
+            (Packed("qweight", "codes", "input", PLAIN, SAID), Packed("qzeros", "zeros", "output", PLAIN, SAID)),
+            group_size=size))
