@@ -51,9 +51,13 @@ class ReferenceLinear(nn.Module):
     checkpoint's float bias, where the family has one (Qwen2's q/k/v)."""
 
     def __init__(self, name: str, spec: FormatSpec, stored: dict[str, torch.Tensor], n: int, k: int,
-                 dtype: torch.dtype = torch.float32, cache: bool = True, bias: torch.Tensor | None = None):
+                 dtype: torch.dtype = torch.float32, cache: bool = True, bias: torch.Tensor | None = None,
+                 activations_in: torch.dtype | None = None):
         super().__init__()
         self.name, self.spec = name, spec
+        # The dtype the served model's activations reach the quantizer in: an engine serving in bf16 quantizes
+        # bf16 values, and rounding there moves codes across their boundaries (2-3 % of a token in fp8).
+        self.activations_in = activations_in
         self.in_features, self.out_features = k, n
         self.dtype = dtype
         self.activation_quant = spec.activation_of(name)
@@ -80,6 +84,8 @@ class ReferenceLinear(nn.Module):
         x = x.to(self.dtype)
         w = self.weight()
         if self.activation_quant is not None:
+            if self.activations_in is not None:
+                x = x.to(self.activations_in).to(self.dtype)
             x_q, s_x = ACTIVATION_QUANT[self.activation_quant](x)
             y = F.linear(x_q, w) / s_x
             return y if self.bias is None else y + self.bias

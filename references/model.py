@@ -67,9 +67,12 @@ def _converted(ckpt: Checkpoint, name: str, stored: dict[str, tuple[int, ...]], 
 
 def build_reference_model(path: str | Path | Checkpoint, dtype: torch.dtype = torch.float32,
                           cache: bool = True, attn_implementation: str = "eager",
-                          on_decoded: Callable[[int, int, str], None] | None = None) -> PreTrainedModel:
+                          on_decoded: Callable[[int, int, str], None] | None = None,
+                          activations_in: torch.dtype | None = None) -> PreTrainedModel:
     """The reference model of any FORMATS.md checkpoint directory, in ``dtype`` (fp32, or fp64).
-    ``on_decoded(i, n, module)``: after the i-th of the n quantized projections is decoded (a run's progress)."""
+    ``on_decoded(i, n, module)``: after the i-th of the n quantized projections is decoded (a run's progress).
+    ``activations_in``: the serving dtype, where the format quantizes activations (its quantizers take them
+    rounded to it)."""
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
     spec = ckpt.spec
     config = model_config(ckpt, attn_implementation)
@@ -99,7 +102,7 @@ def build_reference_model(path: str | Path | Checkpoint, dtype: torch.dtype = to
         stored = read_stored(ckpt, module_name, spec, n, k)
         bias = model.get_submodule(module_name).bias  # loaded above as a float tensor where the family has one
         linear = ReferenceLinear(module_name, spec, stored, n, k, dtype=dtype, cache=cache,
-                                 bias=None if bias is None else bias.data)
+                                 bias=None if bias is None else bias.data, activations_in=activations_in)
         parent_name, child = module_name.rsplit(".", 1)
         setattr(model.get_submodule(parent_name), child, linear)
         if on_decoded is not None:

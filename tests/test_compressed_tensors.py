@@ -294,13 +294,19 @@ def test_fp8_dynamic_passes_and_a_doubled_scale_is_localized(tmp_path, arch):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_fp8_dynamic_served_in_bf16_passes(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fp8_dynamic_served_in_half_precision_passes(tmp_path, dtype):
+    """The engine quantizes activations it holds in ``dtype``: the reference quantizes them rounded to it too, so
+    that each projection fed the reference's input differs by the GEMM's rounding only (fp16: 32 u per token),
+    not by the codes that rounding moves across a boundary (2-3 % of a token)."""
     pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
     model = make_ct_fixture("ct-fp8-dynamic", tmp_path / "fp8", dims=SMALL)
-    s = session(model, tmp_path, "bf16", level="model", dtype="bfloat16")
+    s = session(model, tmp_path, dtype, level="model", dtype=dtype)
     try:
         _every_level_passes(s)
-        assert s.capture().candidate.entry("logits", 0)["dtype"] == "bfloat16"
+        assert s.capture().candidate.entry("logits", 0)["dtype"] == dtype
+        proj = [t.isolated.metrics.token_rel for t in s.judgement().taps if t.name.endswith((".q", ".mlp.down"))]
+        assert max(proj) < 4 * torch.finfo(getattr(torch, dtype)).eps, proj
     finally:
         s.finish()
 
@@ -323,6 +329,26 @@ def test_w8a8_int8_with_vnni_passes_in_bf16_and_fp32_is_refused(tmp_path):
         with pytest.raises(EngineUnsupported, match=r"only in other dtypes than float32 here: run it with "
                                                     r"--parity-dtype=bfloat16 .*expect A to be bfloat16 or half"):
             s.judgement()
+    finally:
+        s.finish()
+
+
+@pytest.mark.vllm
+def test_w8a8_int8_in_float16_where_vllms_kernel_would_abort_is_refused_before_the_engine_starts(tmp_path):
+    """With AMX vLLM's CPU W8A8 takes ``int8_scaled_mm_with_quant``, whose float16 path is a failed check inside
+    an OpenMP region: the process aborts, uncatchable. The run refuses it, naming the dtype that runs."""
+    pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX: vLLM takes its oneDNN int8 GEMM, which does not abort in float16")
+    model = make_ct_fixture("ct-w8a8", tmp_path / "w8a8", dims=SMALL)
+    s = session(model, tmp_path, "w8a8-fp16", level="block", dtype="float16")
+    try:
+        with pytest.raises(EngineUnsupported, match=r"int8_scaled_mm_with_quant.*aborts the process in float16.*"
+                                                    r"--parity-dtype=bfloat16"):
+            s.judgement()
+        assert s._llm is None  # refused before the engine started
     finally:
         s.finish()
 

@@ -85,9 +85,10 @@ class LinearContext:
     biases: dict[str, torch.Tensor] | None = None  # the other projections' biases of its layer, by module
 
 
-def linear_context(ckpt, module: str, ref_input: torch.Tensor | None) -> LinearContext:
+def linear_context(ckpt, module: str, ref_input: torch.Tensor | None, served: str | None = None) -> LinearContext:
     """The reference linear of ``module`` with its float bias (where the family has one) and the biases of its
-    layer's other projections (a kernel may add the wrong one)."""
+    layer's other projections (a kernel may add the wrong one); ``served``: the candidate's dtype, in which its
+    activations reach their quantizer."""
     from vllm_parity.reference.linear import read_stored
 
     spec = ckpt.spec
@@ -96,7 +97,9 @@ def linear_context(ckpt, module: str, ref_input: torch.Tensor | None) -> LinearC
     parent = module.rsplit(".", 2)[0]
     biases = {m: ckpt.tensor(f"{m}.bias").to(torch.float32) for m in shapes
               if m.startswith(parent + ".") and f"{m}.bias" in ckpt}
-    lin = ReferenceLinear(module, spec, read_stored(ckpt, module, spec, n, k), n, k, bias=biases.get(module))
+    half = served in ("bfloat16", "float16")
+    lin = ReferenceLinear(module, spec, read_stored(ckpt, module, spec, n, k), n, k, bias=biases.get(module),
+                          activations_in=getattr(torch, served) if half else None)
     return LinearContext(module, ref_input, lin, {m: b for m, b in biases.items() if m != module} or None)
 
 
@@ -226,6 +229,8 @@ class WeightProjection:
             if tuple(x.shape) != (ref.shape[0], self.k):
                 raise ValueError(f"{tap}: ref_input has shape {tuple(x.shape)}, expected "
                                  f"({ref.shape[0]}, {self.k}) (the tap's rows, in_features of {self.module})")
+            if self.quant is not None and getattr(lin, "activations_in", None) is not None:
+                x = x.to(lin.activations_in).to(torch.float32)  # as the reference's own quantizer takes it
             self.x_raw = x
             if self.quant is not None:
                 x, self.post = ACTIVATION_QUANT[self.quant](x)

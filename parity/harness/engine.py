@@ -125,6 +125,26 @@ def explain(exc: BaseException, what: str, dtype: str) -> EngineUnsupported | No
     return None
 
 
+def aborts(config: Mapping[str, Any], what: str, dtype: str) -> EngineUnsupported | None:
+    """A checkpoint whose vLLM CPU kernel would abort the process in ``dtype`` (a failed check inside an OpenMP
+    region, which no ``except`` sees), said before the engine starts; None where nothing is known to abort."""
+    import torch
+
+    q = config.get("quantization_config") or {}
+    if dtype != "float16" or q.get("quant_method") != "compressed-tensors" or not torch.cpu._is_amx_tile_supported():
+        return None
+    for group in (q.get("config_groups") or {}).values():
+        w, a = group.get("weights") or {}, group.get("input_activations") or {}
+        if (w.get("type"), w.get("num_bits"), a.get("type"), a.get("num_bits"), a.get("symmetric")) == \
+                ("int", 8, "int", 8, True):
+            # vLLM 0.32 (scaled_mm/cpu.py) takes the AMX kernel for every int8 weight with symmetric activations
+            return EngineUnsupported(
+                f"vLLM cannot serve {what} in float16 on this CPU: with AMX its W8A8 int8 kernel "
+                f"(int8_scaled_mm_with_quant) has no float16 path and aborts the process in float16 "
+                f"('scale_C: scalar path not implemented'); run it with --parity-dtype=bfloat16")
+    return None
+
+
 def _cpu_flags() -> list[str]:
     try:
         words = set(Path("/proc/cpuinfo").read_text().split())
@@ -145,6 +165,9 @@ def kv_cache_bytes(config: Mapping[str, Any], tokens: int) -> int:
 def make_run_llm(model: str | Path, config: Mapping[str, Any], prompts: list[list[int]], new_tokens: int, *,
                  tensor_parallel_size: int = 1, compiled: bool = False, dtype: str = "float32"):
     """The engine of a parity run: every prompt at once, with room for ``new_tokens`` generated tokens."""
+    refused = aborts(config, f"this checkpoint ({model})", dtype)
+    if refused is not None:
+        raise refused
     max_len = max(DEFAULT_MAX_MODEL_LEN, max(len(p) for p in prompts) + new_tokens + 8)
     seqs = max(4, len(prompts))
     return make_llm(model, max_model_len=max_len, max_num_seqs=seqs,

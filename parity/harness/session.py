@@ -246,9 +246,11 @@ class ParitySession:
         decoded = 4 * sum(n * k for n, k in self.ckpt.linear_shapes().values())
         name = "reference" if variant is None else f"reference-{variant}"
         self.progress.stage(f"{name} build", f"{self.format}, {self.num_layers} layers")
+        served = getattr(torch, self.opts.dtype)
         model = build_reference_model(self.ckpt, dtype=dtype, cache=decoded <= CACHE_DECODED_BYTES,
                                       attn_implementation="sdpa" if variant == "sdpa" else "eager",
-                                      on_decoded=lambda i, n, _: self.progress.step(i, n, "projections decoded"))
+                                      on_decoded=lambda i, n, _: self.progress.step(i, n, "projections decoded"),
+                                      activations_in=served if variant is None and served != torch.float32 else None)
         order = calibrate.reversed_summation() if variant == "reversed" else contextlib.nullcontext()
         self.progress.stage(f"{name} capture", f"{len(self.prompts)} prompts")
         with order, self.progress.layers(_decoder_layers(model), 1 + len(self.prompts)):  # a warm-up forward first

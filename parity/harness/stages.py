@@ -48,7 +48,7 @@ def diagnose(judgement: Judgement, capture: Capture, ckpt: Checkpoint, arch: Arc
         spec = ckpt.spec
         if projection is not None and spec is not None and not spec.is_ignored(projection[0]):
             module, input_tap = projection
-            linear = linear_context(ckpt, module, ref.stacked(input_tap)[0])
+            linear = linear_context(ckpt, module, ref.stacked(input_tap)[0], cand.manifest.get("dtype"))
         # What the candidate's side recorded of its own layout: fused layers and tensor-parallel spread.
         group = [t for t in cand.manifest.get("fused", {}).get(r.name, []) if t in ref.taps()]
         siblings = {t: (ref.stacked(t)[0], cand.stacked(t)[0]) for t in group} if len(group) > 1 else None
