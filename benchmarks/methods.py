@@ -32,11 +32,14 @@ CASES = [("fp control", "fp", "float32"), ("ternary (seed-article)", "seed-artic
          ("ternary (seed-article)", "seed-article", "bfloat16"), ("ternary (seed-article)", "seed-article", "float16"),
          ("int8x", "int8x", "bfloat16"), ("compressed-tensors FP8_DYNAMIC", "ct-fp8-dynamic", "float32"),
          ("compressed-tensors FP8_DYNAMIC", "ct-fp8-dynamic", "bfloat16"),
+         ("compressed-tensors FP8_DYNAMIC", "ct-fp8-dynamic", "float16"),
          ("compressed-tensors W8A8 int8", "ct-w8a8", "float32"),
          ("compressed-tensors W8A8 int8", "ct-w8a8", "bfloat16"),
-         ("compressed-tensors W4A16", "ct-w4a16", "bfloat16"),
-         ("compressed-tensors W4A16 asym", "ct-w4a16-asym", "bfloat16"),
-         ("AWQ (GEMM)", "awq", "bfloat16"), ("GPTQ", "gptq", "bfloat16")]
+         ("compressed-tensors W8A8 int8", "ct-w8a8", "float16")] + [
+         (label, name, dtype) for label, name in (("compressed-tensors W4A16", "ct-w4a16"),
+                                                  ("compressed-tensors W4A16 asym", "ct-w4a16-asym"),
+                                                  ("AWQ (GEMM)", "awq"), ("GPTQ", "gptq"))
+         for dtype in ("bfloat16", "float16")]
 
 
 def _fixture(name: str, out: Path):

@@ -173,10 +173,10 @@ def has_wna16() -> bool:
     return hasattr(torch.ops._C, "cpu_gemm_wna16")
 
 
-def four_bit_checked_in_bf16(model, tmp_path, faults: dict, faulty_model=None) -> list[bool]:
-    """A 4-bit checkpoint served in bf16 passes every level (skipped where vLLM has no 4-bit kernel); then, on the
-    same engine, ``faults`` (``{tap: (change for llm.apply_model, hint kind, a regex its evidence matches)}``, one
-    tap each) planted at once: in isolated mode (auto's choice in bf16) exactly those taps are sources, each with
+def four_bit_checked(model, tmp_path, faults: dict, faulty_model=None, dtype: str = "bfloat16") -> list[bool]:
+    """A 4-bit checkpoint served in ``dtype`` passes every level (skipped where vLLM has no 4-bit kernel); then, on
+    the same engine, ``faults`` (``{tap: (change for llm.apply_model, hint kind, a regex its evidence matches)}``,
+    one tap each) planted at once: in isolated mode (auto's choice in half precision) exactly those taps are sources, each with
     its hint first. ``faulty_model``: the checkpoint the faulty run's reference reads, where a fault is in how
     vLLM reads the checkpoint (the engine's layers then reloaded as vLLM would read that checkpoint). Returns,
     per fault, whether its layer ran vLLM's W4A8 kernel (the changes' answers)."""
@@ -193,9 +193,9 @@ def four_bit_checked_in_bf16(model, tmp_path, faults: dict, faulty_model=None) -
         for check in ("greedy", "topk", "logprobs"):
             assert s.check(check)["passed"], (check, s.check(check))
 
-    llm = checked_engine(model, tmp_path, passes, level="model", dtype="bfloat16")
+    llm = checked_engine(model, tmp_path, passes, level="model", dtype=dtype)
     w4a8 = [llm.apply_model(change)[0] for change, _, _ in faults.values()]
-    faulty = session(faulty_model or model, tmp_path, "faulty", llm=llm, level="op", dtype="bfloat16")
+    faulty = session(faulty_model or model, tmp_path, "faulty", llm=llm, level="op", dtype=dtype)
     try:
         assert faulty.mode == "isolated"
         assert sorted(t.name for t in faulty.judgement().taps if t.role == "source") == sorted(faults)

@@ -14,7 +14,7 @@ from vllm_parity.fixtures.checkpoints import Dims
 from vllm_parity.fixtures.gptq import encode as gptq_encode, make_gptq_fixture
 from vllm_parity.reference.formats import awq, gptq, parse_quantization_config
 
-from tests.engine_runs import (four_bit_checked_in_bf16, four_bit_refused, four_bit_reloaded,
+from tests.engine_runs import (four_bit_checked, four_bit_refused, four_bit_reloaded,
                                four_bit_scales_changed, has_wna16, nibbles, session, stored, words)
 
 SMALL = Dims(hidden=128, layers=3, heads=2, kv_heads=1, intermediate=256, vocab=1024)
@@ -196,13 +196,13 @@ def test_gptq_g_idx_ignored_is_named(tmp_path):
     assert "instead of g_idx[k]" in hints[0].evidence, hints[0].evidence
 
 
-def _awq_words_read_in_order(model, module: str):
+def _awq_words_read_in_order(model, module: str, dtype: str):
     """``module``'s AWQ words read in plain nibble order (nibble i: output 8j + i) instead of AutoAWQ's
     interleave, codes and zero points alike, handed to vLLM's kernel as its AWQ method hands them over (GPTQ's
     layout: codes packed along the inputs, zero points along the outputs)."""
     t = stored(model, module)
     q, z = nibbles(t["qweight"], 1), nibbles(t["qzeros"], 1)  # (K, N), (G, N)
-    return four_bit_reloaded(module, {"qweight": words(q, 0), "qzeros": words(z.T, 0), "scales": t["scales"]})
+    return four_bit_reloaded(module, {"qweight": words(q, 0), "qzeros": words(z.T, 0), "scales": t["scales"]}, dtype)
 
 
 def _gptq_groups_relabelled(model, out, module: str):
@@ -234,20 +234,22 @@ SCALE_FAULTS = {
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_awq_in_bf16_passes_and_planted_faults_are_localized(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_awq_in_half_precision_passes_and_planted_faults_are_localized(tmp_path, dtype):
     """On one engine: every level passes; then a doubled channel scale, neighbouring groups' scales exchanged and
     AWQ's words read in plain nibble order are each the only source at their tap, with their hint."""
     pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
     model = make_awq_fixture(tmp_path / "awq", dims=SMALL)
     module = "model.layers.1.mlp.down_proj"
-    four_bit_checked_in_bf16(model, tmp_path, {
-        **SCALE_FAULTS, "layers.1.mlp.down": (_awq_words_read_in_order(model, module), "packing_order",
-                                              r"qweight and qzeros read in plain order")})
+    four_bit_checked(model, tmp_path, {
+        **SCALE_FAULTS, "layers.1.mlp.down": (_awq_words_read_in_order(model, module, dtype), "packing_order",
+                                              r"qweight and qzeros read in plain order")}, dtype=dtype)
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_gptq_in_bf16_passes_and_planted_faults_are_localized(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.nightly)])
+def test_gptq_in_half_precision_passes_and_planted_faults_are_localized(tmp_path, dtype):
     """On one engine: every level passes; then a doubled channel scale and neighbouring groups' scales exchanged
     are each the only source at their tap, and a checkpoint whose ``g_idx`` relabels one layer's groups (desc_act
     false) is read by vLLM without it: that layer, reloaded from it as vLLM loads it, is the only other source, its
@@ -257,9 +259,10 @@ def test_gptq_in_bf16_passes_and_planted_faults_are_localized(tmp_path):
     module = "model.layers.1.mlp.down_proj"
     relabelled = _gptq_groups_relabelled(model, tmp_path / "relabelled", module)
     t = stored(relabelled, module)
-    reload = four_bit_reloaded(module, {k: t[k] for k in ("qweight", "scales")})  # (symmetric: vLLM drops qzeros)
-    four_bit_checked_in_bf16(model, tmp_path, {**SCALE_FAULTS, "layers.1.mlp.down": (reload, "g_idx_ignored", r"instead of g_idx\[k\]")},
-                             faulty_model=relabelled)
+    reload = four_bit_reloaded(module, {k: t[k] for k in ("qweight", "scales")}, dtype)  # symmetric: no qzeros
+    four_bit_checked(model, tmp_path, {**SCALE_FAULTS, "layers.1.mlp.down": (reload, "g_idx_ignored",
+                                                                            r"instead of g_idx\[k\]")},
+                     faulty_model=relabelled, dtype=dtype)
 
 
 @pytest.mark.vllm

@@ -18,7 +18,7 @@ from vllm_parity.reference.checkpoint import Checkpoint
 from vllm_parity.reference.formats import parse_quantization_config
 from vllm_parity.reference.linear import fp8_fake_quant
 
-from tests.engine_runs import (checked_engine, doubled_channel_is_found, four_bit_checked_in_bf16, four_bit_refused,
+from tests.engine_runs import (checked_engine, doubled_channel_is_found, four_bit_checked, four_bit_refused,
                                four_bit_reloaded, four_bit_scales_changed, nibbles, session, stored, words)
 
 SMALL = Dims(hidden=128, layers=3, heads=2, kv_heads=1, intermediate=256, vocab=1024)
@@ -294,13 +294,14 @@ def test_fp8_dynamic_passes_and_a_doubled_scale_is_localized(tmp_path, arch):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_fp8_dynamic_served_in_half_precision_passes(tmp_path, dtype):
+@pytest.mark.parametrize("dtype, arch", [("bfloat16", "llama"), ("float16", "llama"),
+                                         pytest.param("float16", "qwen2", marks=pytest.mark.nightly)])
+def test_fp8_dynamic_served_in_half_precision_passes(tmp_path, dtype, arch):
     """The engine quantizes activations it holds in ``dtype``: the reference quantizes them rounded to it too, so
     that each projection fed the reference's input differs by the GEMM's rounding only (fp16: 32 u per token),
     not by the codes that rounding moves across a boundary (2-3 % of a token)."""
     pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
-    model = make_ct_fixture("ct-fp8-dynamic", tmp_path / "fp8", dims=SMALL)
+    model = make_ct_fixture("ct-fp8-dynamic", tmp_path / "fp8", dims=SMALL, arch=arch)
     s = session(model, tmp_path, dtype, level="model", dtype=dtype)
     try:
         _every_level_passes(s)
@@ -313,12 +314,13 @@ def test_fp8_dynamic_served_in_half_precision_passes(tmp_path, dtype):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_w8a8_int8_with_vnni_passes_in_bf16_and_fp32_is_refused(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.nightly)])
+def test_w8a8_int8_with_vnni_passes_in_bf16_and_fp32_is_refused(tmp_path, arch):
     """With VNNI vLLM's CPU W8A8 takes its fused quantize-and-GEMM kernel, which reads bf16 or fp16 only."""
     pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
     if not _has_vnni():
         pytest.skip("this CPU has no VNNI: vLLM's int8 GEMM saturates here (the next test names it)")
-    model = make_ct_fixture("ct-w8a8", tmp_path / "w8a8", dims=SMALL)
+    model = make_ct_fixture("ct-w8a8", tmp_path / "w8a8", dims=SMALL, arch=arch)
     s = session(model, tmp_path, "w8a8", level="model", dtype="bfloat16")
     try:
         _every_level_passes(s)
@@ -373,22 +375,27 @@ def test_w8a8_int8_without_vnni_its_saturating_gemm_is_named(tmp_path):
         s.finish()
 
 
-def _zero_points_plus_one(model, module: str):
+def _zero_points_plus_one(model, module: str, dtype: str = "bfloat16"):
     """``module``'s stored tensors with every zero point + 1 (its nibble, packed along the output axis), for vLLM
     to repack: its W4A8 kernel folds zero points into a compensation computed at load."""
     t = {k: v for k, v in stored(model, module).items() if k != "weight_shape"}
     t["weight_zero_point"] = words((nibbles(t["weight_zero_point"], 0) + 1) & 15, 0)
-    return four_bit_reloaded(module, t)
+    return four_bit_reloaded(module, t, dtype)
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("name, arch", [("ct-w4a16", "llama"), ("ct-w4a16-asym", "llama"), ("ct-w4a16-asym", "qwen2"),
-                                        pytest.param("ct-w4a16", "qwen2", marks=pytest.mark.nightly)])
-def test_w4a16_in_bf16_passes_and_planted_faults_are_localized(tmp_path, name, arch):
+@pytest.mark.parametrize("name, arch, dtype", [
+    ("ct-w4a16", "llama", "bfloat16"), ("ct-w4a16-asym", "llama", "bfloat16"), ("ct-w4a16-asym", "qwen2", "bfloat16"),
+    ("ct-w4a16-asym", "llama", "float16"),
+    *(pytest.param(*case, marks=pytest.mark.nightly) for case in (
+        ("ct-w4a16", "qwen2", "bfloat16"), ("ct-w4a16", "llama", "float16"), ("ct-w4a16", "qwen2", "float16"),
+        ("ct-w4a16-asym", "qwen2", "float16")))])
+def test_w4a16_in_half_precision_passes_and_planted_faults_are_localized(tmp_path, name, arch, dtype):
     """On one engine: every level passes; then a doubled channel scale, groups reading the next group's scales,
     neighbouring groups' scales exchanged and (asymmetric) zero points off by one, each in its own layer, are each
-    the only source at their tap, with their hint first."""
+    the only source at their tap, with their hint first. vLLM takes its W4A8 kernel in bf16 with AMX, its W4A16
+    kernel otherwise."""
     pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
     model = make_ct_fixture(name, tmp_path / "w4", dims=SMALL, arch=arch)
     faults = {
@@ -400,10 +407,11 @@ def test_w4a16_in_bf16_passes_and_planted_faults_are_localized(tmp_path, name, a
                             "the scales of each pair of neighbouring groups exchanged"),
     }
     if name == "ct-w4a16-asym":
-        faults["layers.2.mlp.down"] = (_zero_points_plus_one(model, "model.layers.2.mlp.down_proj"), "zero_point",
-                                       r"every zero point read \+1 off its stored value")
-    w4a8 = four_bit_checked_in_bf16(model, tmp_path, faults)
-    assert set(w4a8) == {torch.cpu._is_amx_tile_supported()}  # vLLM's W4A8 kernel where AMX is (its own test)
+        faults["layers.2.mlp.down"] = (_zero_points_plus_one(model, "model.layers.2.mlp.down_proj", dtype),
+                                       "zero_point", r"every zero point read \+1 off its stored value")
+    w4a8 = four_bit_checked(model, tmp_path, faults, dtype=dtype)
+    # vLLM's W4A8 kernel where AMX is, in bf16 (its own test)
+    assert set(w4a8) == {torch.cpu._is_amx_tile_supported() and dtype == "bfloat16"}
 
 
 @pytest.mark.vllm
@@ -415,7 +423,7 @@ def test_w4a16_through_vllms_w4a16_kernel_too(tmp_path, monkeypatch):
     pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
     monkeypatch.setenv("VLLM_CPU_INT4_W4A8", "0")
     model = make_ct_fixture("ct-w4a16-asym", tmp_path / "w4", dims=SMALL)
-    w4a8 = four_bit_checked_in_bf16(model, tmp_path, {
+    w4a8 = four_bit_checked(model, tmp_path, {
         "layers.0.mlp.down": (four_bit_scales_changed("model.layers.0.mlp.down_proj", "channel"), "scale_wrong",
                               r"1 of 128 channel\(s\) × (1\.99\d*|2\.00\d*|2) \(channels 5\)"),
         "layers.1.attn.o": (four_bit_scales_changed("model.layers.1.self_attn.o_proj", "pairs"), "scale_groups",
