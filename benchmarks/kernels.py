@@ -117,6 +117,8 @@ def bench_shape(k: int, n: int, ms: list[int], kernels: list[str], copy_gbps: fl
                 continue
             if kernel == "cuda_dequant" and (m < 16 or spec.activation_quant):
                 continue
+            if kernel in ("tiles_linear", "cuda_dequant_tiles") and m < 16:
+                continue  # cuda_mma's own rows there (the same C++ kernel)
             fn = _kernel_fn(kernel, x, next_native)
             try:
                 fn()
@@ -128,7 +130,10 @@ def bench_shape(k: int, n: int, ms: list[int], kernels: list[str], copy_gbps: fl
                 print(f"  {kernel} K={k} N={n} M={m}: FAILED {exc}", file=sys.stderr)
                 continue
             chosen = choose.ternary_kernel("auto", m, dtype, base.group_size, True, base.act_quant)
-            nat_bytes = tile_bytes if (chosen if kernel == "ternary" else kernel) == "cuda_mma" else row_bytes
+            if kernel in ("tiles_linear", "cuda_dequant_tiles"):
+                chosen = choose.ternary_tiles_kernel(m, dtype, base.group_size)
+            nat_bytes = tile_bytes if (chosen if kernel in ("ternary", "tiles_linear") else kernel) in (
+                "cuda_mma", "cuda_dequant_tiles") else row_bytes
             gbps = (nat_bytes + io_bytes) / us / 1e3
             rows.append(dict(kernel=kernel, K=k, N=n, M=m, dtype=str(dtype).replace("torch.", ""),
                              preset=spec_name, median_us=round(us, 3), gbps=round(gbps, 1),
@@ -151,12 +156,87 @@ def repack_copy(native):
 def _kernel_fn(kernel: str, x: torch.Tensor, next_native):
     if kernel == "ternary":  # the public entry point with its default choice of kernel (backend auto)
         return lambda: ternary_ops.ternary_linear(x, next_native())
+    if kernel in ("tiles_linear", "cuda_dequant_tiles"):
+        # The vLLM method's one resident copy: every M from the tiles alone (its choice, or one of its kernels).
+        which = None if kernel == "tiles_linear" else kernel
+
+        def tiles_run():
+            nat = next_native()
+            return ternary_ops.tiles_linear(x, nat.tiles, nat.scale, None, nat.n, nat.k, nat.group_size,
+                                            nat.act_quant, kernel=which)
+        return tiles_run
 
     def run():
         nat = next_native()
         return ternary_ops.ternary_linear_op(x, nat.qweight, nat.scale, None, nat.k, nat.group_size,
                                              nat.act_quant, kernel, nat.tiles)
     return run
+
+
+def eager_us(fn, calls: int = 200, reps: int = 9) -> float:
+    """Median per-call time of ``calls`` back-to-back calls without a CUDA graph (events around the batch):
+    the larger of the host's cost per call (Python, dispatch, launch) and the device's."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def eager_rows(copy_gbps: float) -> list[dict]:
+    """Goal 3: the M = 1 call outside a CUDA graph (eager decode, small batches) at the target shapes, against
+    torch fp16 ``F.linear`` outside a graph; weights rotated as in the graph rows. ``ternary``: the public entry
+    point (the C++ op ``parity_ternary.mma``, configuration chosen in C++); ``parity_ternary.mma``: that op
+    called directly; ``python_op``: the Python custom op ``vllm_parity::ternary_linear`` with ``cuda_mma`` (the
+    previous path: its config chosen in Python per call)."""
+    rows = []
+    for k, n in [(4096, 14336), (14336, 4096)]:
+        base = ternary_weights(k, n, PRESETS["seed-article"], seed=k + n)
+        natives, next_native = rotating(lambda: repack_copy(base), base.nbytes)
+        wf = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
+        fp16_weights, next_fp16 = rotating(lambda: wf.clone(), wf.numel() * 2, cap=32)
+        x = torch.randn(1, k, device="cuda", dtype=torch.float16)
+        base_us = eager_us(lambda: F.linear(x, next_fp16()))
+        mma = ternary_cuda_ops().mma
+
+        def direct():
+            nat = next_native()
+            return mma(x, nat.tiles, nat.scale, None, nat.n, nat.k, nat.group_size, nat.act_quant)
+
+        def python_op():
+            nat = next_native()
+            return ternary_ops.ternary_linear_op(x, nat.qweight, nat.scale, None, nat.k, nat.group_size,
+                                                 nat.act_quant, "cuda_mma", nat.tiles)
+        def tiles():
+            nat = next_native()
+            return ternary_ops.tiles_linear(x, nat.tiles, nat.scale, None, nat.n, nat.k, nat.group_size,
+                                            nat.act_quant)
+        fns = [("ternary", lambda: ternary_ops.ternary_linear(x, next_native())), ("parity_ternary.mma", direct),
+               ("tiles_linear", tiles), ("python_op", python_op)]
+        for name, fn in fns:
+            us = eager_us(fn)
+            rows.append(dict(kernel=name, mode="eager", K=k, N=n, M=1, dtype="float16", preset="seed-article",
+                             median_us=round(us, 3), baseline="torch_fp16_linear_eager", baseline_us=round(base_us, 3),
+                             speedup=round(base_us / us, 3)))
+            print(f"  eager {name:20s} K={k:5d} N={n:5d} M=1 {us:8.2f} us  fp16 eager {base_us:8.2f} us  "
+                  f"x{base_us / us:.2f}", flush=True)
+        del natives, fp16_weights
+    return rows
+
+
+def ternary_cuda_ops():
+    from vllm_parity.serving import ternary_cuda
+
+    return ternary_cuda.ops()
 
 
 def floor_rows() -> list[dict]:
@@ -408,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only-int8x", action="store_true", help="INT8-X rows only")
     ap.add_argument("--ms", default=None, help="comma-separated M values (default: all, or 1,16,512 with --quick)")
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA extension kernels")
+    ap.add_argument("--no-int8x", action="store_true", help="skip the INT8-X rows")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -430,12 +511,14 @@ def main(argv: list[str] | None = None) -> int:
             t = time.time()
             ternary_cuda.extension()
             print(f"CUDA extension ready in {time.time() - t:.0f} s", flush=True)
-            kernels += ["cuda_mma", "cuda_dequant", "cuda_vec", "cuda_naive"]
+            kernels += ["cuda_mma", "tiles_linear", "cuda_dequant_tiles", "cuda_dequant", "cuda_vec", "cuda_naive"]
     shapes = [(4096, 14336), (14336, 4096)] if args.quick else SHAPES
     ms = [int(v) for v in args.ms.split(",")] if args.ms else [1, 16, 512] if args.quick else MS
-    result = dict(header=header, rows=[], sweep=[], int8x=[], floor=[])
+    result = dict(header=header, rows=[], sweep=[], int8x=[], floor=[], eager=[])
     if args.floor:
         result["floor"] = floor_rows()
+    if "cuda_mma" in kernels and not args.only_int8x:
+        result["eager"] = eager_rows(copy_gbps)
     if args.sweep_triton:
         result["sweep"] += sweep(copy_gbps)
     if args.sweep and "cuda_mma" in kernels:
@@ -451,9 +534,9 @@ def main(argv: list[str] | None = None) -> int:
         out_path.write_text(json.dumps(result, indent=1))  # partial results survive a time limit
     # The BitNet layout (activation quantization, divide, tensor scale) at the two target shapes.
     for k, n in [] if args.only_int8x else [(4096, 14336), (14336, 4096)]:
-        result["rows"] += bench_shape(k, n, [1, 16, 512], ["ternary"], copy_gbps, "hf-bitnet")
+        result["rows"] += bench_shape(k, n, [1, 16, 128, 512], ["ternary", "tiles_linear"], copy_gbps, "hf-bitnet")
         out_path.write_text(json.dumps(result, indent=1))
-    if Path("kernels/int8x_ops.py").exists() and Path("kernels/int8x_triton.py").exists():
+    if not args.no_int8x and Path("kernels/int8x_ops.py").exists() and Path("kernels/int8x_triton.py").exists():
         try:
             result["int8x"] = int8x_rows(copy_gbps)
         except Exception as exc:
@@ -479,6 +562,14 @@ def summary(result: dict) -> str:
         r1, r16 = rows.get(("ternary", k, n, 1, "seed-article")), rows.get(("ternary", k, n, 16, "seed-article"))
         if r1 and r16:
             lines.append(f"K={k:5d} N={n:5d} M=16 / M=1 time ratio: {r16['median_us'] / r1['median_us']:.2f}")
+        for m in (16, 64, 128, 256, 512):
+            r = rows.get(("tiles_linear", k, n, m, "seed-article"))
+            if r:
+                lines.append(f"K={k:5d} N={n:5d} M={m:3d} one copy (tiles) {r['chosen']:>12s} {r['median_us']:9.2f} "
+                             f"{r['baseline_us']:9.2f} {r['speedup']:8.2f} {r['bw_frac']:8.2f}")
+    for r in result.get("eager", []):
+        lines.append(f"eager K={r['K']:5d} N={r['N']:5d} M=1 {r['kernel']:>20s} {r['median_us']:9.2f} "
+                     f"{r['baseline_us']:9.2f} {r['speedup']:8.2f}")
     return "\n".join(lines)
 
 

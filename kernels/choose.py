@@ -23,6 +23,12 @@ ternary (kernels/ternary_ops.py; the op ``vllm_parity::ternary_linear`` runs the
       ``cuda_vec``       any other case of backend ``cuda``; of ``auto``, M <= AUTO_CUDA_VEC_MAX_M only
       ``auto`` otherwise: the ``triton`` choice for M. ``cuda_naive`` is never chosen (tests and benchmarks
       name it).
+    resident copies (the vLLM method), :func:`ternary_resident`: ``PARITY_TERNARY_RESIDENT``
+    (:data:`ENV_TERNARY_RESIDENT`) = ``one`` keeps only the tiled layout (:func:`ternary_tiles_only`: backend
+    ``cuda`` / ``auto`` builds the CUDA kernels and the layer's dtype and group size suit ``cuda_mma``); ``two``
+    (default) the row layout and the tiles, as before; from the tiles alone,
+    :func:`ternary_tiles_kernel` (:data:`TERNARY_TILES_KERNELS`): ``cuda_mma`` for M <= MMA_MAX_M, else
+    ``cuda_dequant_tiles`` (dense weight from the tiles, torch's GEMM).
 
 int8x (kernels/int8x_ops.py: the stored streams; kernels/int8x_native.py: the native layout; kernels/vllm/int8x.py)
     layout, :func:`int8x_layout`: ``auto`` (default) serves the native layout where it takes no more memory
@@ -56,6 +62,8 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 TERNARY_BACKENDS = ("torch", "triton", "cuda", "auto")
 TERNARY_KERNELS = ("torch", "triton_gemv", "triton_mm", "cuda_naive", "cuda_vec", "cuda_mma", "cuda_dequant")
+# From the tiled copy alone (the vLLM method's one resident copy; ternary_ops.tiles_linear).
+TERNARY_TILES_KERNELS = ("cuda_mma", "cuda_dequant_tiles")
 
 # M thresholds between kernels (measured on an H200, benchmarks/NOTES.md).
 TRITON_GEMV_MAX_M = 1
@@ -101,6 +109,48 @@ def ternary_kernel(backend: str, m: int, dtype: torch.dtype | None = None, group
     if backend == "cuda" or cuda and m <= AUTO_CUDA_VEC_MAX_M:
         return "cuda_vec"
     return ternary_kernel("triton", m)
+
+
+ENV_TERNARY_RESIDENT = "PARITY_TERNARY_RESIDENT"
+TERNARY_RESIDENT = ("one", "two")
+# What the vLLM method keeps when PARITY_TERNARY_RESIDENT is unset. "two" (row layout + tiles): from the tiles
+# alone, 65 <= M <= ~200 runs 1.25-1.4x slower on the H200 than triton_mm on the row layout (M >= 384 runs 7-10 %
+# faster, M <= 64 the same), so by the no-regression rule one copy is opt-in (benchmarks/NOTES.md).
+TERNARY_RESIDENT_DEFAULT = "two"
+
+
+def ternary_resident(backend: str, dtype: torch.dtype | None, group_size: int) -> str:
+    """The ternary weight copies the vLLM method keeps: ``tiles`` (only the tiled layout, 2 bits a weight:
+    :func:`ternary_tiles_only` and ``PARITY_TERNARY_RESIDENT`` = ``one``), ``rows+tiles`` (the row layout and the
+    tiled copy, 4 bits a weight: backend ``cuda`` / ``auto`` otherwise; the default, TERNARY_RESIDENT_DEFAULT) or
+    ``rows`` (other backends)."""
+    choice = os.environ.get(ENV_TERNARY_RESIDENT) or TERNARY_RESIDENT_DEFAULT
+    if choice not in TERNARY_RESIDENT:
+        raise ValueError(f"{ENV_TERNARY_RESIDENT} = {choice!r}, expected one of {TERNARY_RESIDENT}")
+    if backend not in ("cuda", "auto"):
+        return "rows"
+    return "tiles" if choice == "one" and ternary_tiles_only(backend, dtype, group_size) else "rows+tiles"
+
+
+def ternary_tiles_only(backend: str, dtype: torch.dtype | None, group_size: int) -> bool:
+    """Whether a layer keeps only the tiled copy of its weight (the vLLM method: one resident copy, 2 bits a
+    weight): backend ``cuda`` or ``auto`` where the CUDA kernels build, activations (the layer's dtype) fp16 /
+    bf16 and group scales a multiple of 128, i.e. where the tensor-core kernel serves small M; every row count
+    is then served from the tiles (:func:`ternary_tiles_kernel`). Otherwise the row layout alone."""
+    if backend not in ("cuda", "auto") or not ternary_mma_eligible(dtype, group_size, True):
+        return False
+    from vllm_parity.serving import ternary_cuda
+
+    return ternary_cuda.available()
+
+
+def ternary_tiles_kernel(m: int, dtype: torch.dtype | None, group_size: int) -> str:
+    """The kernel for ``m`` rows from the tiled copy alone (``ternary_ops.tiles_linear``): ``cuda_mma`` for
+    M <= MMA_MAX_M where eligible, else ``cuda_dequant_tiles`` (the dense weight decoded from the tiles, then
+    torch's GEMM; any dtype)."""
+    if m <= MMA_MAX_M and ternary_mma_eligible(dtype, group_size, True):
+        return "cuda_mma"
+    return "cuda_dequant_tiles"
 
 
 # -- int8x ------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 
@@ -15,6 +16,53 @@ from vllm_parity.serving.cuda_build import LazyExtension, available  # noqa: F40
 
 extension = LazyExtension("vllm_parity_ternary", "ternary.cu", "ternary CUDA kernels")
 ENV_PDL = "PARITY_MMA_PDL"  # "0": launch the tensor-core kernel without programmatic dependent launch
+
+
+_fakes_lock = threading.Lock()
+_fakes_done = False
+
+
+def ops():
+    """``torch.ops.parity_ternary``: the C++ ops of ``csrc/ternary.cu`` (``TORCH_LIBRARY``), which choose
+    their configuration in C++ (the rules of :func:`mma_config`), so that an eager call runs no Python
+    between torch's dispatcher and the launch. Builds / loads the extension and registers the ops' fake
+    implementations (torch.compile) on the first call; call it once at load, outside any compiled region.
+
+    - ``mma(x, tiles, scale, bias, n, k, group_size, act_quant)``: the tensor-core kernel, x fp16 / bf16
+      ``(..., K)`` (any strides), output ``(..., N)``.
+    - ``dequant_tiles(tiles, scale, n, k, group_size, dtype)``: the dense ``(N, K)`` weight (scale folded
+      in) from the tiled layout.
+    """
+    global _fakes_done
+    if not _fakes_done:
+        extension()
+        with _fakes_lock:
+            if not _fakes_done:
+                _register_fakes()
+                _fakes_done = True
+    return torch.ops.parity_ternary
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("parity_ternary::mma")
+    def _mma_fake(x, tiles, scale, bias, n, k, group_size, act_quant):
+        return x.new_empty((*x.shape[:-1], n))
+
+    @torch.library.register_fake("parity_ternary::dequant_tiles")
+    def _dequant_tiles_fake(tiles, scale, n, k, group_size, dtype):
+        return tiles.new_empty((n, k), dtype=dtype)
+
+
+def mma_cpp_config(m: int, n: int, k: int, group_size: int) -> dict:
+    """The configuration the C++ op ``parity_ternary.mma`` launches for this shape (for tests)."""
+    tn, mb, warps, loads, pdl = extension().mma_auto_config(m, n, k, group_size)
+    return {"tn": tn, "mb": mb, "warps": warps, "loads": loads, "pdl": bool(pdl)}
+
+
+def dequant_tiles(tiles: torch.Tensor, scale: torch.Tensor, n: int, k: int, group_size: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The dense weight ``(N, K)`` in ``dtype`` (scale folded in) from the tiled layout."""
+    return ops().dequant_tiles(tiles, scale, n, k, group_size, dtype)
 
 
 def ternary_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,

@@ -13,9 +13,17 @@ CPU, ``auto`` on CUDA.
 CUDA kernels: ``cuda_mma`` (tensor cores on the tiled layout, fp16 / bf16 activations, small M; needs
 ``NativeTernary.tiles`` and group sizes that are multiples of 128), ``cuda_dequant`` (the dense
 weight once, then torch's GEMM: large M), ``cuda_vec`` (CUDA cores, any dtype), ``cuda_naive``.
+
+``cuda_mma`` in eager mode skips the Python op: :func:`ternary_linear` calls the C++ op
+``torch.ops.parity_ternary.mma`` (``csrc/ternary.cu``, ``TORCH_LIBRARY``; its configuration chosen in C++).
+:func:`tiles_linear` serves every M from the tiled copy alone (the vLLM method's single resident copy under
+``PARITY_TERNARY_RESIDENT=one``): that op up to MMA_MAX_M rows, else ``parity_ternary.dequant_tiles`` and
+torch's GEMM.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -83,12 +91,75 @@ def ternary_linear(x: torch.Tensor, native: NativeTernary, bias: torch.Tensor | 
     """``y = x @ W^T (+ bias)`` for ``x`` of shape ``(..., K)``; returns ``(..., N)`` in x's dtype."""
     if x.shape[-1] != native.k:
         raise ValueError(f"x has {x.shape[-1]} input features, the ternary weight expects {native.k}")
+    if (backend is None and native.tiles is not None and x.is_cuda and not torch.compiler.is_compiling()
+            and x.numel() <= choose.MMA_MAX_M * native.k and _eager_mma(x.dtype, native.group_size)):
+        # Eager and small M: the C++ op (configuration chosen in C++), no Python op wrapper per call; the same
+        # decision as choose.ternary_kernel below, made once per (dtype, group size, environment). Compiled
+        # callers keep the Python custom op below, which runs the same kernel.
+        return _MMA_OP[0](x, native.tiles, native.scale, bias, native.n, native.k, native.group_size,
+                          native.act_quant)
     x2 = x.reshape(-1, native.k)
     kernel = choose.ternary_kernel(choose.ternary_backend(backend, x.device), x2.shape[0], x.dtype,
                                    native.group_size, native.tiles is not None, native.act_quant)
+    if kernel == "cuda_mma" and not torch.compiler.is_compiling():
+        from vllm_parity.serving import ternary_cuda
+
+        return ternary_cuda.ops().mma(x, native.tiles, native.scale, bias, native.n, native.k, native.group_size,
+                                      native.act_quant)
     y = torch.ops.vllm_parity.ternary_linear(x2, native.qweight, native.scale, bias, native.k,
                                              native.group_size, native.act_quant, kernel, native.tiles)
     return y.reshape(*x.shape[:-1], native.n)
+
+
+_EAGER_MMA: dict = {}
+_MMA_OP: list = []
+
+
+def _eager_mma(dtype: torch.dtype, group_size: int) -> bool:
+    """Whether backend ``None`` (the environment, else ``auto``) runs ``cuda_mma`` for a tiled weight of this dtype
+    and group size at every M <= MMA_MAX_M on CUDA tensors: choose.ternary_kernel's answer, cached per
+    environment value (a bad value is left to the full path, which raises)."""
+    env = os.environ.get(choose.ENV_BACKEND)
+    key = (dtype, group_size, env)
+    ok = _EAGER_MMA.get(key)
+    if ok is None:
+        try:
+            backend = choose.ternary_backend(None, torch.device("cuda"))
+            ok = choose.ternary_kernel(backend, 1, dtype, group_size, True, False) == "cuda_mma"
+        except ValueError:
+            ok = False
+        if ok and not _MMA_OP:
+            from vllm_parity.serving import ternary_cuda
+
+            _MMA_OP.append(ternary_cuda.ops().mma.default)
+        _EAGER_MMA[key] = ok
+    return ok
+
+
+def tiles_linear(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
+                 group_size: int, act_quant: bool, kernel: str | None = None) -> torch.Tensor:
+    """``y = x @ W^T (+ bias)`` for ``x`` ``(..., K)`` from the tiled copy alone (``NativeTernary.tiles``: the one
+    resident copy of the vLLM method under ``PARITY_TERNARY_RESIDENT=one``, 2 bits a weight), by
+    :func:`choose.ternary_tiles_kernel` (or ``kernel``): ``cuda_mma`` (the C++ tensor-core op) or
+    ``cuda_dequant_tiles`` (the dense weight decoded from the tiles, then torch's GEMM). Calls
+    ``torch.ops.parity_ternary`` directly: load it first (``ternary_cuda.ops()``), outside compiled code."""
+    m = x.numel() // k if k else 0
+    kernel = kernel or choose.ternary_tiles_kernel(m, x.dtype, group_size)
+    if kernel == "cuda_mma":
+        return torch.ops.parity_ternary.mma(x, tiles, scale, bias, n, k, group_size, act_quant)
+    if kernel != "cuda_dequant_tiles":
+        raise ValueError(f"unknown tiles kernel {kernel!r}; expected one of {choose.TERNARY_TILES_KERNELS}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    w = torch.ops.parity_ternary.dequant_tiles(tiles, scale, n, k, group_size, x.dtype)
+    if act_quant:
+        # FORMATS.md per_token_absmax_int8 in fp32; the quantized activations go to the GEMM dequantized in x's
+        # dtype (x_q / s_x: a GEMM of x_q itself could overflow fp16 before the division).
+        xf = x2.to(torch.float32)
+        sx = 127.0 / xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
+        x2 = ((xf * sx).round().clamp(-128, 127) / sx).to(x.dtype)
+    y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype))
+    return y.reshape(*lead, n)
 
 
 class KernelLinear(torch.nn.Module):

@@ -149,6 +149,50 @@ def test_ternary_kernel_is_listed_and_eligible(backend, m, dtype, group, tiled, 
         f"{kernel} chosen for backend={backend} m={m} {dtype} group={group} tiled={tiled} act_quant={act_quant}"
 
 
+@PROPERTY
+@given(backend=st.sampled_from(choose.TERNARY_BACKENDS), dtype=st.sampled_from(DTYPES),
+       group=st.sampled_from([0, 4, 64, 128, 192, 256, 512]), cuda_builds=st.booleans(), m=MS)
+def test_ternary_one_resident_copy(backend, dtype, group, cuda_builds, m):
+    """The vLLM method keeps only the tiles exactly where the tensor-core kernel serves the layer; from the tiles
+    alone every M has a kernel: cuda_mma up to MMA_MAX_M where eligible, else the dense weight from the tiles."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ternary_cuda, "available", lambda: cuda_builds)
+        only = choose.ternary_tiles_only(backend, dtype, group)
+    half = dtype in (torch.float16, torch.bfloat16)
+    assert only == (backend in ("cuda", "auto") and cuda_builds and half and group % 128 == 0)
+    kernel = choose.ternary_tiles_kernel(m, dtype, group)
+    assert kernel in choose.TERNARY_TILES_KERNELS
+    eligible = half and group % 128 == 0
+    assert (kernel == "cuda_mma") == (m <= choose.MMA_MAX_M and eligible), (kernel, m, dtype, group)
+
+
+@PROPERTY
+@given(backend=st.sampled_from(choose.TERNARY_BACKENDS), dtype=st.sampled_from(DTYPES),
+       group=st.sampled_from([0, 64, 128, 256]), cuda_builds=st.booleans(),
+       env=st.sampled_from([None, "", "one", "two", "both"]))
+def test_ternary_resident(backend, dtype, group, cuda_builds, env):
+    """One copy (the tiles) by default where the tiles serve every M; two (rows and tiles) when asked for or where
+    cuda_mma does not serve the layer; the row layout alone off CUDA backends; a bad value is refused."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ternary_cuda, "available", lambda: cuda_builds)
+        if env is None:
+            mp.delenv(choose.ENV_TERNARY_RESIDENT, raising=False)
+        else:
+            mp.setenv(choose.ENV_TERNARY_RESIDENT, env)
+        if env == "both":
+            with pytest.raises(ValueError, match=choose.ENV_TERNARY_RESIDENT):
+                choose.ternary_resident(backend, dtype, group)
+            return
+        got = choose.ternary_resident(backend, dtype, group)
+        only = choose.ternary_tiles_only(backend, dtype, group)
+    if backend not in ("cuda", "auto"):
+        assert got == "rows"
+    elif only and (env or choose.TERNARY_RESIDENT_DEFAULT) == "one":
+        assert got == "tiles"
+    else:
+        assert got == "rows+tiles"
+
+
 # -- int8x: the streams ---------------------------------------------------------------------------
 
 

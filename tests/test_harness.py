@@ -35,8 +35,14 @@ def test_embedded_default_passes_every_level(pytester):
         assert (pytester.path / "report" / name).stat().st_size > 1000
     page = (pytester.path / "report" / "report.html").read_text()
     assert 'id="plot-layers"' in page and page.count("<tr class=") == len(rep["taps"])
-    result.stdout.fnmatch_lines(["parity: engine start (vLLM, tensor parallel 1)", "parity: compare */* taps (*s)"])
-    result.stdout.fnmatch_lines(["*no divergence over 51 taps*"])
+    # and the same 51 taps at each of the default 2 decode steps (the KV cache), against the reference's forward
+    # over the tokens the engine generated
+    decode = [t for t in rep["taps"] if t.get("phase") == "decode"]
+    assert rep["run"]["decode_steps"] == 2 and len(decode) == 2 * 51 and {t["step"] for t in decode} == {0, 1}
+    assert all(t["verdict"] and t["role"] == "pass" for t in decode) and 'id="plot-steps"' in page
+    result.stdout.fnmatch_lines(["parity: engine start (vLLM, tensor parallel 1)", "parity: reference decode *",
+                                 "parity: compare */* taps (*s)"])
+    result.stdout.fnmatch_lines(["*no divergence over 51 taps, each at the prefill and 2 decode step(s)*"])
     assert not (pytester.path / "snap").exists()
 
 
@@ -53,6 +59,7 @@ def test_golden_gate_on_the_embedded_default(pytester):
     rep = _report(pytester)
     assert rep["run"]["against"] == "golden" and rep["run"]["unused_golden_taps"] == []
     assert "reference_s" not in rep["run"]["timings"]
+    assert rep["run"]["decode_steps"] == 0 and "golden" in rep["run"]["decode_skipped"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: per-head norms, sharded by head as q and k are
@@ -112,8 +119,9 @@ def test_planted_fault_fails_at_exactly_its_tap(pytester, monkeypatch, fault, mo
     failing = f"parity::test_parity[op-{tap}]"
     pattern = failing.replace("[", "?").replace("]", "?")  # fnmatch reads brackets as a character set
     rep = _report(pytester)
-    taps = [t["name"] for t in rep["taps"]]
-    by = {t["name"]: t for t in rep["taps"]}
+    prefill = [t for t in rep["taps"] if t.get("phase") != "decode"]
+    taps = [t["name"] for t in prefill]
+    by = {t["name"]: t for t in prefill}
     assert all(by[t]["passed"] for t in taps[: taps.index(tap)]), "taps before the fault must pass"
     assert not by[tap]["passed"] and by[tap]["role"] == "source"
     assert rep["first_divergence"] == {"name": tap, "layer": int(tap.split(".")[1])}
@@ -136,8 +144,8 @@ def test_isolated_mode_marks_only_the_faulty_layer(pytester, monkeypatch):
     monkeypatch.setenv("PARITY_TEST_FAULT", "bit_order:model.layers.1.self_attn.o_proj")
     result = _run(pytester, "--parity-level=block", "--parity-mode=isolated")
     rep = _report(pytester)
-    by = {t["name"]: t for t in rep["taps"]}
-    sources = [t["name"] for t in rep["taps"] if t["role"] == "source"]
+    by = {t["name"]: t for t in rep["taps"] if t.get("phase") != "decode"}
+    sources = [t["name"] for t in rep["taps"] if t["role"] == "source"]  # at the decode steps, the same fault again
     assert sources == ["layers.1.attn.o"]
     assert rep["first_divergence"]["name"] == "layers.1.attn.o"
     # propagated, every later layer fails too; isolated, layers 2 and 3 are clean

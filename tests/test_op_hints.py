@@ -231,9 +231,47 @@ def test_near_ties_are_told_from_a_fault():
     assert hint is None and "every token of 16 routes to the reference's top-2" in checked.note
 
 
-def test_the_kv_cache_is_not_claimed():
-    """Decode-step taps are not captured: no hint kind claims the KV cache."""
-    assert not [k for k in diagnosis.KINDS if "kv" in k or "cache" in k]
+def _decode_dumps(tmp_path, keys_scale: float = 1.0, decode_k_shift: float = 0.0):
+    """A prefill of 6 positions and one decode step of one layer's q, k, v and attention output, both sides from
+    the same q, k, v; the candidate's decode-step output from its prefill keys times ``keys_scale`` (what a
+    corrupted cache holds), and its decode-step key tap off by ``decode_k_shift`` (its own projection wrong)."""
+    from types import SimpleNamespace
+
+    from vllm_parity.harness.dumps import DumpReader, DumpWriter
+
+    config = {"model_type": "llama", "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 16,
+              "rope_theta": 10000.0}
+    attn = AttentionContext.of(config, 0, "model.layers.0.self_attn")
+    g = _gen(3)
+    q, k, v = (torch.randn(7, n, generator=g, dtype=torch.float64) for n in (16, 8, 8))
+    ref = attn.context(q, k, v, attn.rope)
+    k_read = torch.cat([k[:6] * keys_scale, k[6:]])
+    k_tap = torch.cat([k[:6], k[6:] + decode_k_shift])
+    cand = attn.context(q, k_read if decode_k_shift == 0 else k_tap, v, attn.rope)
+
+    def dump(name, rows, k_rows, out):
+        w = DumpWriter(tmp_path / name)
+        for tap, t in (("q", q[rows]), ("k", k_rows[rows]), ("v", v[rows]), ("context", out[rows])):
+            w.write(tap, {f"layers.0.attn.{tap}@0": t.float()})
+        return DumpReader(w.close())
+    prefill, step = slice(0, 6), slice(6, 7)
+    refs = [dump("ref", prefill, k, ref), dump("ref0", step, k, ref)]
+    cands = [dump("cand", prefill, k_tap, ref), dump("cand0", step, k_tap, cand)]
+    return refs, cands, SimpleNamespace(config=config)
+
+
+def test_the_kv_cache_is_named_where_the_decode_read_other_keys(tmp_path):
+    from vllm_parity.architectures import lookup
+    from vllm_parity.harness.op_hints import kv_cache
+
+    refs, cands, ckpt = _decode_dumps(tmp_path, keys_scale=1.5)
+    hint = kv_cache("layers.0.attn.context", 0, refs, cands, ckpt, lookup("llama"))
+    assert hint.kind == "kv_cache" and "at decode step 0" in hint.evidence, hint
+    assert "model.layers.0.self_attn" in hint.fix
+    # the candidate's own decode-step key is wrong: its attention computed what its projections gave it
+    refs, cands, ckpt = _decode_dumps(tmp_path / "own", decode_k_shift=0.5)
+    hint = kv_cache("layers.0.attn.context", 0, refs, cands, ckpt, lookup("llama"))
+    assert hint.kind == "undecided" and "not only in what the cache held" in hint.evidence, hint
 
 
 # -- on the real engine ----------------------------------------------------------------------------

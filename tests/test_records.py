@@ -26,7 +26,8 @@ def results(isolated):
                      shape=st.lists(st.integers(1, 64), max_size=2), metrics=st.none() | metrics,
                      tolerance=tolerances, passed=st.booleans(), growth=st.none() | finite, message=st.text(max_size=20),
                      role=st.sampled_from(["pass", "source", "inherited"]), fed_by=st.lists(st.sampled_from(["embed"])),
-                     isolated=isolated)
+                     isolated=isolated, phase=st.sampled_from(["prefill", "decode"]),
+                     step=st.none() | st.integers(0, 7), kernels=st.lists(st.sampled_from(["torch", "triton_mm"]), max_size=2))
 
 
 @given(results(st.none() | results(st.none())))

@@ -106,6 +106,49 @@ def test_every_record_round_trips_through_json(tmp_path):
         RunRecord.from_dict({**record.as_dict(), "schema": "parity-report/0"})
 
 
+def _with_steps(tmp_path, capture, taps, faults):
+    """``capture`` and two decode steps (one row per prompt), the candidate off by one where ``faults`` says:
+    ``{(tap, step): ...}``, step None the prefill's."""
+    def off(c, step):
+        return {t: [c.get(t, p) + ((t, step) in faults) for p in (0, 1)] for t in taps}
+    ref = {t: [x[:1] for x in v] for t, v in off(capture.reference, -1).items()}
+    def cand(s):
+        return {t: [x + ((t, s) in faults) for x in v] for t, v in ref.items()}
+    steps = tuple(Capture(_dump(tmp_path / f"ref{s}", ref), _dump(tmp_path / f"cand{s}", cand(s))) for s in range(2))
+    prefill = _dump(tmp_path / "cand", off(capture.reference, None))
+    return Capture(capture.reference, prefill, steps=steps)
+
+
+def test_decode_steps_are_judged_each_and_attributed_across_the_cache(tmp_path):
+    capture, taps = _capture(tmp_path)
+    shown = [t for t in taps if not t.endswith(".input")]
+    # layer 1's attention wrong at decode step 1 only; layer 2's keys wrong at the prefill: its attention at every
+    # decode step reads them from the cache (inherited), though its inputs at the step pass; layer 0's up projection
+    # wrong at the prefill and the first step: one fault, its source where it first shows
+    faults = {("layers.1.attn.context", 1), ("layers.2.attn.k", None), ("layers.2.attn.context", 0),
+              ("layers.2.attn.context", 1), ("layers.0.mlp.up", None), ("layers.0.mlp.up", 0)}
+    capture = _with_steps(tmp_path, capture, taps, faults)
+    judgement = stages.judge(capture, taps, shown, ToleranceTable(), LAYERS, LLAMA)
+    assert len(judgement.taps) == 3 * len(shown) and judgement["embed"].phase == "prefill"
+    sources = [(r.name, r.step) for r in judgement.taps if r.role == "source"]
+    assert sources == [("layers.0.mlp.up", None), ("layers.2.attn.k", None), ("layers.1.attn.context", 1)], sources
+    assert judgement.phases("layers.0.mlp.up")[1].fed_by == ["layers.0.mlp.up (prefill)"]
+    cached = judgement.phases("layers.2.attn.context")
+    assert [(r.phase, r.step, r.role) for r in cached] == [("prefill", None, "pass"), ("decode", 0, "inherited"),
+                                                           ("decode", 1, "inherited")]
+    assert cached[1].fed_by == ["layers.2.attn.k (prefill)"] and cached[1].message.startswith("decode step 0: ")
+    record = _record(capture, taps)
+    rep = record.as_dict()
+    assert {t["step"] for t in rep["taps"] if t.get("phase") == "decode"} == {0, 1}
+    assert rep["first_divergence"] == {"name": "layers.0.mlp.up", "layer": 0}
+    back = Capture.from_dict(json.loads(json.dumps(capture.as_dict())))
+    assert torch.equal(back.at(1).pair("layers.1.attn.context")[1], capture.steps[1].pair("layers.1.attn.context")[1])
+    assert capture.steps[0].reference.stacked("embed")[1] == [(0, 0), (1, 0)]  # no first_positions: from 0
+    _, written = stages.write(record, capture, tmp_path / "report", str(tmp_path / "snap"), ["pytest"], keep=5,
+                              max_gb=1.0)
+    assert "layers.1.attn.context#decode1" in json.loads((written.snapshot / "diff.json").read_text())
+
+
 def test_a_report_on_disk_is_its_record(tmp_path):
     capture, taps = _capture(tmp_path, fault="layers.1.attn.o")
     record, written = stages.write(_record(capture, taps), capture, tmp_path / "report", str(tmp_path / "snap"),

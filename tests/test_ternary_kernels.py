@@ -710,3 +710,200 @@ def test_gpu_torch_compile():
     built = build(case, "cuda")
     fn = torch.compile(lambda x: ternary_ops.ternary_linear(x, built["native"]), fullgraph=True)
     check(fn(built["x"]), built, case, "torch.compile(ternary_linear)")
+
+
+# --------------------------------------------------------------------------------------------
+# one resident copy (the tiles alone) and the C++ ops (torch.ops.parity_ternary)
+
+
+def _dequant_tiles_emulated(tiles: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The values (N, K) as csrc/ternary.cu's dequant_tiles_kernel indexes them: word j of lane (g, t), row half
+    rs, input e (0..7) -> row 16 nt + g + 8 rs, input 128 c + 32 t + 8 j + e, bit 2 p + 16 (e % 2) with
+    p = 4 (e / 4) + 2 ((e / 2) % 2) + rs."""
+    nt, kc = tiles.shape[:2]
+    words = tiles.to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros(nt * 16, kc * 128, dtype=torch.int8)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for j in range(4):
+            for rs in range(2):
+                for e in range(8):
+                    bit = 2 * (4 * (e >> 2) + 2 * ((e >> 1) & 1) + rs) + 16 * (e & 1)
+                    f = (words[:, :, lane, j] >> bit) & 3  # (NT, KC)
+                    v = ((f & 1) * (1 - (f & 2))).to(torch.int8)
+                    rows = torch.arange(nt) * 16 + g + 8 * rs
+                    cols = torch.arange(kc) * 128 + 32 * t + 8 * j + e
+                    out[rows[:, None], cols[None, :]] = v
+    return out[:n, :k]
+
+
+@settings(max_examples=25, **HYP)
+@given(n=st.integers(1, 40), k=st.integers(1, 300), seed=st.integers(0, 2 ** 31 - 1))
+def test_dequant_tiles_indexing(n, k, seed):
+    """The dense-from-tiles kernel's field indexing, run in torch, reads back the values packed."""
+    values = torch.randint(-1, 2, (n, k), generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(_dequant_tiles_emulated(pack_tiles(values), n, k), values.to(torch.int8))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@settings(max_examples=int(os.environ.get("PARITY_GPU_EXAMPLES", "60")), **HYP)
+@given(n=st.integers(1, 300), k4=st.integers(1, 275), group=st.sampled_from([0, 1, 2, 3, 4]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2 ** 31 - 1))
+def test_gpu_dequant_tiles_matches_row_dequant(n, k4, group, dtype, seed):
+    """dequant_tiles (tiled layout) is bit for bit the row layout's dequant and the native weight rounded once."""
+    k = 4 * k4  # input-packed: K a multiple of 4
+    divisors = [g for g in range(1, k + 1) if k % g == 0]
+    group_size = 0 if group == 0 else divisors[(seed + group) % len(divisors)]
+    spec = PRESETS["seed-article"] if group_size in (0, k) else TernarySpec(scale_granularity="group",
+                                                                            group_size=group_size)
+    case = dict(spec=spec, m=1, n=n, k=k, dtype=dtype, scale_dtype=torch.float32, weights="random",
+                activations="normal", layout="contiguous", bias=False, seed=seed)
+    nat = build(case, "cuda")["native"].with_tiles()
+    w = ternary_cuda.dequant_tiles(nat.tiles, nat.scale, n, k, nat.group_size, dtype)
+    want = native_weight(nat, torch.float32).to(dtype)
+    assert w.dtype == dtype and w.shape == (n, k)
+    assert torch.equal(w, want), f"dequant_tiles differs at {int((w != want).sum())} of {w.numel()} (N={n} K={k})"
+    assert torch.equal(w, ternary_cuda.dequant(nat.qweight, nat.scale, k, nat.group_size, dtype))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 9, 16, 17, 40, 64, 65, 200, 384])
+@pytest.mark.parametrize("n, k", [(200, 1000), (4096, 4096), (77, 2304), (14336, 256)])
+def test_gpu_cpp_mma_config_matches_python(m, n, k):
+    """The C++ op chooses the configuration Python's mma_config + _fit_instance would."""
+    for group_size in (0, 128, 256):
+        want = ternary_cuda._fit_instance(ternary_cuda.mma_config(m, n, k), group_size)
+        assert ternary_cuda.mma_cpp_config(m, n, k, group_size) == want, (m, n, k, group_size)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@settings(max_examples=int(os.environ.get("PARITY_GPU_EXAMPLES", "60")), **HYP)
+@given(case=cases(max_m=40, max_n=520, max_k=1100, dtypes=(torch.float16, torch.bfloat16)))
+def test_gpu_cpp_mma_op_matches_reference(case):
+    """torch.ops.parity_ternary.mma (the eager path of the public entry point) on every layout of x, 3-D too."""
+    assume(eligible("cuda_mma", case))
+    built = build(case, "cuda")
+    nat = built["native"].with_tiles()
+    x = built["x"]
+    op = ternary_cuda.ops().mma
+    if case["layout"] == "3d":
+        m, k = case["m"], case["k"]
+        b, t = (m // 2, 2) if m % 2 == 0 else (m, 1)
+        wide = torch.full((b, t, k + 5), float("nan"), dtype=x.dtype, device=x.device)
+        wide[..., :k] = x.reshape(b, t, k)
+        with poisoned_empty():
+            out = op(wide[..., :k], nat.tiles, nat.scale, built["bias"], nat.n, nat.k, nat.group_size, nat.act_quant)
+        assert out.shape == (b, t, case["n"])
+        out = out.reshape(m, case["n"])
+    else:
+        with poisoned_empty():
+            out = op(shaped(x, case["layout"]), nat.tiles, nat.scale, built["bias"], nat.n, nat.k, nat.group_size,
+                     nat.act_quant)
+    check(out, built, case, "parity_ternary.mma")
+    with poisoned_empty():
+        public = ternary_ops.ternary_linear(shaped(x, case["layout"]) if case["layout"] != "3d" else x, nat,
+                                            built["bias"])
+    check(public, built, case, "public entry point (eager C++ op)")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 7, 16, 40, 64, 65, 130, 400])
+def test_gpu_tiles_linear_every_m(m):
+    """The one resident copy serves every row count: each tiles kernel (cuda_mma, the dense weight from the
+    tiles) at every M, and the one chosen for M."""
+    for i, (spec, dtype) in enumerate([(PRESETS["seed-article"], torch.float16),
+                                       (PRESETS["hf-bitnet"], torch.bfloat16),
+                                       (TernarySpec(scale_granularity="group", group_size=128), torch.bfloat16),
+                                       (TernarySpec(scale_granularity="group", group_size=256), torch.float16)]):
+        case = dict(spec=spec, m=m, n=332, k=1024, dtype=dtype, scale_dtype=torch.bfloat16, weights="random",
+                    activations="normal", layout="contiguous", bias=i % 2 == 0, seed=40 + i)
+        built = build(case, "cuda")
+        nat = built["native"].with_tiles()
+        ternary_cuda.ops()
+        for kernel in (None,) + choose.TERNARY_TILES_KERNELS:  # the choice for m, then each kernel at any m
+            with poisoned_empty():
+                out = ternary_ops.tiles_linear(built["x"], nat.tiles, nat.scale, built["bias"], nat.n, nat.k,
+                                               nat.group_size, nat.act_quant, kernel=kernel)
+            dense = (kernel or choose.ternary_tiles_kernel(m, dtype, nat.group_size)) == "cuda_dequant_tiles"
+            check(out, built, case, f"tiles_linear {kernel} {spec}", weight_rounding=dense)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 7, 16, 40])
+def test_gpu_cpp_ops_in_cuda_graphs(m):
+    """The public entry point (eager C++ op) and tiles_linear captured in one CUDA graph: every replay
+    writes the reference into NaN-poisoned outputs."""
+    case = dict(spec=PRESETS["seed-article"], m=m, n=1024, k=4096, dtype=torch.float16, scale_dtype=torch.float16,
+                weights="random", activations="normal", layout="contiguous", bias=True, seed=50 + m)
+    built = build(case, "cuda")
+    nat = built["native"].with_tiles()
+    x = built["x"].clone()
+    ternary_cuda.ops()
+
+    def both():
+        return (ternary_ops.ternary_linear(x, nat, built["bias"]),
+                ternary_ops.tiles_linear(x, nat.tiles, nat.scale, built["bias"], nat.n, nat.k, nat.group_size,
+                                         nat.act_quant))
+    both()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = both()
+    for i in range(3):
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for o, what in zip(outs, ("public entry point", "tiles_linear")):
+            check(o, built, case, f"{what} M={m} graph replay {i}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cpp_opcheck():
+    for spec in (PRESETS["hf-bitnet"], TernarySpec(scale_granularity="group", group_size=128)):
+        case = dict(spec=spec, m=5, n=64, k=256, dtype=torch.bfloat16, scale_dtype=torch.bfloat16,
+                    weights="random", activations="normal", layout="contiguous", bias=True, seed=13)
+        built = build(case, "cuda")
+        nat = built["native"].with_tiles()
+        ops = ternary_cuda.ops()
+        torch.library.opcheck(ops.mma.default, (built["x"], nat.tiles, nat.scale, built["bias"], nat.n, nat.k,
+                                                nat.group_size, nat.act_quant))
+        torch.library.opcheck(ops.mma.default, (built["x"].reshape(5, 1, 256), nat.tiles, nat.scale, None, nat.n,
+                                                nat.k, nat.group_size, nat.act_quant))
+        torch.library.opcheck(ops.dequant_tiles.default, (nat.tiles, nat.scale, nat.n, nat.k, nat.group_size,
+                                                          torch.float16))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cpp_mma_propagates_nan():
+    """A NaN in a token's activations makes that token's outputs NaN (as the fp64 reference does), and no
+    other token's."""
+    case = dict(spec=PRESETS["seed-article"], m=4, n=300, k=1000, dtype=torch.float16, scale_dtype=torch.float32,
+                weights="random", activations="normal", layout="contiguous", bias=False, seed=77)
+    built = build(case, "cuda")
+    nat = built["native"].with_tiles()
+    x = built["x"].clone()
+    x[2, 517] = float("nan")
+    out = ternary_cuda.ops().mma(x, nat.tiles, nat.scale, None, nat.n, nat.k, nat.group_size, nat.act_quant)
+    assert bool(out[2].isnan().all()), "the NaN token's outputs must all be NaN"
+    assert bool(torch.isfinite(out[[0, 1, 3]]).all()), "other tokens must stay finite"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_tiles_linear_torch_compile():
+    case = dict(spec=PRESETS["seed-article"], m=8, n=256, k=512, dtype=torch.bfloat16, scale_dtype=torch.bfloat16,
+                weights="random", activations="normal", layout="contiguous", bias=False, seed=9)
+    built = build(case, "cuda")
+    nat = built["native"].with_tiles()
+    ternary_cuda.ops()  # loaded (and its fakes registered) before tracing, as the vLLM method does at load
+    fn = torch.compile(lambda x: ternary_ops.tiles_linear(x, nat.tiles, nat.scale, None, nat.n, nat.k,
+                                                          nat.group_size, nat.act_quant), fullgraph=True)
+    check(fn(built["x"]), built, case, "torch.compile(tiles_linear)")

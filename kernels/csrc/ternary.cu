@@ -15,6 +15,11 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <vector>
+
 #include "dtypes.cuh"
 
 namespace {
@@ -633,9 +638,192 @@ torch::Tensor ternary_linear(torch::Tensor x, torch::Tensor qweight, torch::Tens
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Dense weight from the tiled layout (the one resident copy: the large-M path reads it too), scale
+// folded in: a thread per int32 word of tiles. Word j of lane (g, t) of tile (nt, c) holds rows
+// 16 nt + g and 16 nt + g + 8 at inputs 128 c + 32 t + 8 j .. + 7, so 16 consecutive threads (t, j)
+// write 256 contiguous bytes of each of their two rows (one 16-byte store per row for fp16 / bf16).
+// Field of input e (0..7) of row half rs: step s = 2 j + e / 4, register r = 2 ((e / 2) % 2) + rs,
+// pair p = 4 (s % 2) + r, bit 2 p + 16 (e % 2) (ternary_repack._tile_index).
+template <typename T>
+__global__ void dequant_tiles_kernel(const uint32_t* __restrict__ tiles, const float* __restrict__ scale,
+                                     T* __restrict__ w, int N, int K, int NT, int KC, int G, int GS, bool vec) {
+  const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (int64_t)NT * KC * 128) return;
+  const int j = (int)(idx & 3), lane = (int)((idx >> 2) & 31);
+  const int64_t tc = idx >> 7;
+  const int c = (int)(tc % KC), nt = (int)(tc / KC);
+  const uint32_t word = __ldg(tiles + idx);
+  const int g = lane >> 2, t = lane & 3;
+  const int k0 = c * TILE_K + 32 * t + 8 * j;
+#pragma unroll
+  for (int rs = 0; rs < 2; ++rs) {
+    const int n = nt * TILE_N + g + 8 * rs;
+    if (n >= N) continue;
+    const float* srow = scale + (int64_t)n * G;
+    __align__(16) T v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int p = 4 * (e >> 2) + 2 * ((e >> 1) & 1) + rs, bit = 2 * p + 16 * (e & 1);
+      const float f = __uint_as_float((word << (30 - bit)) & 0xC0000000u);  // +-2.0 or 0
+      const int k = min(k0 + e, K - 1);  // padding past K: a zero weight, never a scale past the row
+      v[e] = from_f<T>(0.5f * f * (G == 1 ? srow[0] : srow[k / GS]));
+    }
+    T* out = w + (int64_t)n * K + k0;
+    if (vec && k0 + 8 <= K) {
+#pragma unroll
+      for (int i = 0; i < (int)(8 * sizeof(T) / 16); ++i)
+        reinterpret_cast<uint4*>(out)[i] = reinterpret_cast<const uint4*>(v)[i];
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        if (k0 + e < K) out[e] = v[e];
+    }
+  }
+}
+
+torch::Tensor ternary_dequant_tiles(const torch::Tensor& tiles, const torch::Tensor& scale, int64_t n, int64_t k,
+                                    int64_t group_size, c10::ScalarType dtype) {
+  TORCH_CHECK(tiles.is_cuda() && scale.is_cuda(), "ternary dequant_tiles needs CUDA tensors");
+  TORCH_CHECK(tiles.scalar_type() == torch::kInt32 && tiles.is_contiguous() && tiles.dim() == 4 &&
+                  tiles.size(0) == (n + TILE_N - 1) / TILE_N && tiles.size(1) == (k + TILE_K - 1) / TILE_K &&
+                  tiles.size(2) == 32 && tiles.size(3) == 4,
+              "tiles must be contiguous int32 (ceil(N/16), ceil(K/128), 32, 4) for N=", n, " K=", k);
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.dim() == 2 &&
+                  scale.size(0) == n,
+              "scale must be contiguous fp32 (N, G)");
+  const int G = scale.size(1);
+  TORCH_CHECK(G == 1 || (group_size > 0 && (int64_t)G * group_size == k), "scale has ", G,
+              " groups, group size ", group_size, ", K=", k);
+  const c10::cuda::CUDAGuard guard(tiles.device());
+  auto w = torch::empty({n, k}, tiles.options().dtype(dtype));
+  const int NT = tiles.size(0), KC = tiles.size(1);
+  const int64_t total = (int64_t)NT * KC * 128;
+  if (total == 0 || n == 0 || k == 0) return w;
+  const int threads = 256;
+  const int blocks = (int)((total + threads - 1) / threads);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int GS = group_size > 0 ? (int)group_size : 1;
+  const uint32_t* tp = reinterpret_cast<const uint32_t*>(tiles.data_ptr<int32_t>());
+  const float* sp = scale.data_ptr<float>();
+  const bool vec = (k * (int64_t)c10::elementSize(dtype)) % 16 == 0;  // every row starts 16-byte aligned
+  switch (dtype) {
+    case torch::kFloat16:
+      dequant_tiles_kernel<__half><<<blocks, threads, 0, stream>>>(tp, sp, reinterpret_cast<__half*>(w.data_ptr()),
+                                                                    (int)n, (int)k, NT, KC, G, GS, vec);
+      break;
+    case torch::kBFloat16:
+      dequant_tiles_kernel<__nv_bfloat16><<<blocks, threads, 0, stream>>>(
+          tp, sp, reinterpret_cast<__nv_bfloat16*>(w.data_ptr()), (int)n, (int)k, NT, KC, G, GS, vec);
+      break;
+    case torch::kFloat32:
+      dequant_tiles_kernel<float><<<blocks, threads, 0, stream>>>(tp, sp, w.data_ptr<float>(), (int)n, (int)k, NT,
+                                                                   KC, G, GS, vec);
+      break;
+    default: TORCH_CHECK(false, "dequant_tiles dtype must be fp16, bf16 or fp32, got ", dtype);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return w;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tensor-core kernel as a C++ op (TORCH_LIBRARY below): the configuration is chosen here, from
+// the shape and the device's multiprocessor count (read once per device), so an eager call runs no
+// Python between torch's dispatcher and the launch. Same rules as kernels/ternary_cuda.mma_config +
+// _fit_instance (a GPU test compares the two).
+struct MmaCfg {
+  int tn, mb, warps, loads;
+  bool pdl;
+};
+
+int device_sms(int dev) {
+  static std::mutex mu;
+  static std::vector<int> sms;
+  std::lock_guard<std::mutex> lock(mu);
+  if ((int)sms.size() <= dev) sms.resize(dev + 1, 0);
+  if (sms[dev] == 0) {
+    cudaDeviceProp prop;
+    C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    sms[dev] = prop.multiProcessorCount * (prop.major >= 9 ? 1 : -1);  // sign: PDL support (cc >= 9)
+  }
+  return sms[dev];
+}
+
+bool pdl_env_allows() {
+  static const bool allowed = [] {
+    const char* v = std::getenv("PARITY_MMA_PDL");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return allowed;
+}
+
+MmaCfg mma_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size, int dev) {
+  const int info = device_sms(dev);
+  const int sms = info < 0 ? -info : info;
+  const int64_t nt = (n + TILE_N - 1) / TILE_N, kc = (k + TILE_K - 1) / TILE_K;
+  auto tiles = [&](double min_blocks) {
+    int tn = 4;
+    while (tn > 1 && (double)((nt + tn - 1) / tn) < min_blocks) tn /= 2;
+    return tn;
+  };
+  MmaCfg c{};
+  c.pdl = info > 0 && pdl_env_allows();
+  c.loads = 4;
+  if (m <= 8) {
+    c.tn = tiles((m <= 4 ? 1.2 : 0.9) * sms);
+    c.mb = 1;
+    c.warps = (int)std::max<int64_t>(1, std::min<int64_t>(16, kc));
+    c.loads = (nt + c.tn - 1) / c.tn <= sms ? 8 : 4;
+  } else if (m <= 16) {
+    c.tn = tiles(0.9 * sms);
+    c.mb = 2;
+    c.warps = (int)std::max<int64_t>(1, std::min<int64_t>(16, kc / 4));
+  } else {
+    c.tn = 4;
+    c.mb = 2;
+    c.warps = (int)std::max<int64_t>(1, std::min<int64_t>(8, kc / 4));
+  }
+  if (c.mb != 1 || group_size) c.loads = 4;
+  if (group_size && c.mb == 2) c.tn = std::min(c.tn, 2);
+  return c;
+}
+
+std::vector<int64_t> mma_auto_config_py(int64_t m, int64_t n, int64_t k, int64_t group_size) {
+  const MmaCfg c = mma_auto_config(m, n, k, group_size, c10::cuda::current_device());
+  return {c.tn, c.mb, c.warps, c.loads, c.pdl ? 1 : 0};
+}
+
+torch::Tensor ternary_mma_op(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scale,
+                             const c10::optional<torch::Tensor>& bias, int64_t n, int64_t k, int64_t group_size,
+                             bool act_quant) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "x must be (..., K=", k, ")");
+  torch::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, k});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  const MmaCfg c = mma_auto_config(x2.size(0), n, k, group_size, x.get_device());
+  torch::Tensor y = ternary_linear_mma(x2, tiles, scale, bias, n, k, group_size, act_quant, c.tn, c.mb, c.warps,
+                                       c.loads, c.pdl);
+  if (x.dim() == 2) return y;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(n);
+  return y.view(shape);
+}
+
 }  // namespace
 
+TORCH_LIBRARY(parity_ternary, m) {
+  m.def("mma(Tensor x, Tensor tiles, Tensor scale, Tensor? bias, int n, int k, int group_size, bool act_quant) "
+        "-> Tensor");
+  m.def("dequant_tiles(Tensor tiles, Tensor scale, int n, int k, int group_size, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(parity_ternary, CUDA, m) {
+  m.impl("mma", &ternary_mma_op);
+  m.impl("dequant_tiles", &ternary_dequant_tiles);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("mma_auto_config", &mma_auto_config_py, "(tn, mb, warps, loads, pdl) the C++ op chooses",
+        py::arg("m"), py::arg("n"), py::arg("k"), py::arg("group_size"));
   m.def("ternary_linear", &ternary_linear, "ternary linear (naive or vectorized)", py::arg("x"), py::arg("qweight"),
         py::arg("scale"), py::arg("bias"), py::arg("k"), py::arg("group_size"), py::arg("act_quant"), py::arg("vec"));
   m.def("ternary_linear_mma", &ternary_linear_mma, "ternary linear on the tiled layout (tensor cores, small M)",

@@ -85,6 +85,7 @@ class TernaryLinearMethod(LinearMethodBase):
         tracker = LoadTracker(layer, shards, "ternary")
         layer.parity_tracker = tracker
         layer.parity_n, layer.parity_k = n, k
+        layer.parity_params_dtype = params_dtype
         # the per-rank rows of each checkpoint tensor: one for a tensor fused on disk
         layer.parity_partitions = [n] if len(shards) == 1 else list(output_partition_sizes)
 
@@ -141,25 +142,43 @@ class TernaryLinearMethod(LinearMethodBase):
             spec = dataclasses.replace(spec, scale_granularity="channel")
         native = ternary_ops.repack(packed, scale, spec, layer.parity_n, layer.parity_k)
         _release(layer, (spec.weight_name, spec.scale_name))
-        # Buffers, so that moving the module moves the kernel-layout weight with it.
-        layer.register_buffer("parity_qweight", native.qweight, persistent=False)
-        layer.register_buffer("parity_scale", native.scale, persistent=False)
         layer.parity_group_size = native.group_size
         layer.parity_backend = choose.ternary_backend(None, packed.device)
-        # The tensor-core kernel's tiled copy (2 more bits per weight), where a CUDA kernel may run.
-        tiles = native.with_tiles().tiles if layer.parity_backend in ("cuda", "auto") else None
-        layer.register_buffer("parity_tiles", tiles, persistent=False)
+        # PARITY_TERNARY_RESIDENT=one: one resident copy of the weight (2 bits a weight), the tiled layout where
+        # the tensor-core kernel serves this layer (every row count is then served from it:
+        # ternary_ops.tiles_linear); else the row layout (+ tiles on CUDA). Buffers, so that moving the module
+        # moves the kernel-layout weight with it.
+        resident = choose.ternary_resident(layer.parity_backend, getattr(layer, "parity_params_dtype", None),
+                                           native.group_size)
+        layer.parity_tiles_only = resident == "tiles"
+        if layer.parity_tiles_only:
+            from vllm_parity.serving import ternary_cuda
+
+            tiles = native.with_tiles().tiles
+            layer.register_buffer("parity_qweight", None, persistent=False)  # the row layout is freed
+            layer.register_buffer("parity_tiles", tiles, persistent=False)
+            ternary_cuda.ops()  # the C++ ops and their fakes, loaded now: apply calls them directly
+        else:
+            # PARITY_TERNARY_RESIDENT=two, or a layer cuda_mma does not serve: the row layout, and the tensor-core
+            # kernel's tiled copy (2 more bits per weight) where a CUDA kernel may run.
+            layer.register_buffer("parity_qweight", native.qweight, persistent=False)
+            tiles = native.with_tiles().tiles if resident == "rows+tiles" else None
+            layer.register_buffer("parity_tiles", tiles, persistent=False)
+        # cuda_mma through the C++ op (its configuration chosen in C++: no Python per call), loaded now.
+        layer.parity_cpp_mma = layer.parity_tiles is not None and _cuda_builds()
+        layer.register_buffer("parity_scale", native.scale, persistent=False)
+        act_quant = native.act_quant
+        del native
         # A row-parallel rank sees only its slice of each token's features, but the per-token absmax
         # of activation_quant is over the whole row: such layers quantize here with the all-ranks max.
-        layer.parity_global_act_quant = (native.act_quant and isinstance(layer, RowParallelLinear)
-                                         and layer.tp_size > 1)
-        layer.parity_act_quant = native.act_quant and not layer.parity_global_act_quant
+        layer.parity_global_act_quant = act_quant and isinstance(layer, RowParallelLinear) and layer.tp_size > 1
+        layer.parity_act_quant = act_quant and not layer.parity_global_act_quant
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, layer.parity_k)
-        # The kernel for this many rows, chosen on shapes, dtype and flags (Python values), never on tensor values.
-        kernel = choose.ternary_kernel(layer.parity_backend, x2.shape[0], x2.dtype, layer.parity_group_size,
-                                       layer.parity_tiles is not None, layer.parity_act_quant)
+        # The kernel for this many rows, chosen on shapes, dtype and flags (Python values), never on tensor values;
+        # the same answer the harness records (kernel_for).
+        kernel = _kernel(layer, x2.shape[0], x2.dtype)
         if layer.parity_global_act_quant:
             xf = x2.to(torch.float32)
             amax = tensor_model_parallel_all_gather(xf.abs().amax(dim=-1, keepdim=True)).amax(dim=-1, keepdim=True)
@@ -172,8 +191,41 @@ class TernaryLinearMethod(LinearMethodBase):
             y = _ternary_op(layer, x2, bias, kernel)
         return y.reshape(*x.shape[:-1], layer.parity_n)
 
+    def kernel_for(self, layer, m: int, dtype: torch.dtype) -> str:
+        """The kernel ``apply`` runs for ``m`` rows of ``dtype`` (what the parity harness records per tap)."""
+        return _kernel(layer, m, dtype)
+
+    def kernels(self, layer, dtype: torch.dtype) -> tuple[str, ...]:
+        """Every kernel ``apply`` may run on this layer, over all row counts: its choice on each side of every
+        M threshold (the branches a run may leave untaken)."""
+        bounds = (choose.TRITON_GEMV_MAX_M, choose.AUTO_CUDA_VEC_MAX_M, choose.MMA_MAX_M, choose.DEQUANT_MIN_M)
+        rows = sorted({1, *(b + d for b in bounds for d in (0, 1))})
+        return tuple(dict.fromkeys(self.kernel_for(layer, m, dtype) for m in rows))
+
+
+def _kernel(layer, m: int, dtype: torch.dtype) -> str:
+    if layer.parity_tiles_only:
+        return choose.ternary_tiles_kernel(m, dtype, layer.parity_group_size)
+    return choose.ternary_kernel(layer.parity_backend, m, dtype, layer.parity_group_size,
+                                 getattr(layer, "parity_tiles", None) is not None, layer.parity_act_quant)
+
+
+def _cuda_builds() -> bool:
+    from vllm_parity.serving import ternary_cuda
+
+    if not ternary_cuda.available():
+        return False
+    ternary_cuda.ops()
+    return True
+
 
 def _ternary_op(layer, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> torch.Tensor:
+    if layer.parity_tiles_only:  # the C++ ops on the one tiled copy
+        return ternary_ops.tiles_linear(x2, layer.parity_tiles, layer.parity_scale, bias, layer.parity_n,
+                                        layer.parity_k, layer.parity_group_size, layer.parity_act_quant, kernel)
+    if kernel == "cuda_mma" and layer.parity_cpp_mma:
+        return torch.ops.parity_ternary.mma(x2, layer.parity_tiles, layer.parity_scale, bias, layer.parity_n,
+                                            layer.parity_k, layer.parity_group_size, layer.parity_act_quant)
     return torch.ops.vllm_parity.ternary_linear(x2, layer.parity_qweight, layer.parity_scale, bias, layer.parity_k,
                                                 layer.parity_group_size, layer.parity_act_quant, kernel,
                                                 layer.parity_tiles)

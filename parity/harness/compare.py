@@ -32,6 +32,14 @@ class TapResult:
     role: str = "pass"  # "pass", "source" or "inherited"
     fed_by: list[str] = field(default_factory=list)
     isolated: "TapResult | None" = None  # the same tap with every layer fed the reference's input
+    phase: str = "prefill"  # or "decode": the tap at decode step ``step`` (one row per prompt, from the KV cache)
+    step: int | None = None
+    kernels: list[str] = field(default_factory=list)  # the serving kernels that computed it (where reported)
+
+    @property
+    def label(self) -> str:
+        """The tap and, at a decode step, which one."""
+        return self.name if self.phase == "prefill" else f"{self.name} (decode step {self.step})"
 
     @property
     def verdict(self) -> bool:
@@ -53,6 +61,8 @@ class TapResult:
                                              "candidate": m["worst_cand"]},
             "role": self.role, "fed_by": self.fed_by, "message": self.message,
             **({"isolated": self.isolated.as_dict()} if self.isolated is not None else {}),
+            **({"phase": self.phase, "step": self.step} if self.phase != "prefill" else {}),
+            **({"kernels": list(self.kernels)} if self.kernels else {}),
         }
 
     @classmethod
@@ -66,7 +76,8 @@ class TapResult:
                                          "worst_cand": d["worst"]["candidate"]})
         return cls(d["name"], d["level"], d["layer"], list(d["shape"]), metrics, Tolerance.from_dict(d["tolerance"]),
                    d["passed"], d["growth"], d["message"], d["role"], list(d["fed_by"]),
-                   cls.from_dict(d["isolated"]) if d.get("isolated") is not None else None)
+                   cls.from_dict(d["isolated"]) if d.get("isolated") is not None else None,
+                   d.get("phase", "prefill"), d.get("step"), list(d.get("kernels", ())))
 
 
 def compare_tap(ref: DumpReader, cand: DumpReader, tap: str, table: ToleranceTable) -> TapResult:
@@ -91,7 +102,8 @@ def compare_tap(ref: DumpReader, cand: DumpReader, tap: str, table: ToleranceTab
     ok = passes(m, tol)
     tp, tpos = rows[m.worst_token]
     return TapResult(tap, level, layer, [len(prompts), *list(r.shape)], m, tol, ok,
-                     message="" if ok else describe(tap, m, tol, row=f"prompt {tp}, position {tpos}"))
+                     message="" if ok else describe(tap, m, tol, row=f"prompt {tp}, position {tpos}"),
+                     kernels=list(cand.manifest.get("kernels", {}).get(tap, ())))
 
 
 def _looseness(tol: Tolerance) -> tuple[float, float, float]:
@@ -175,6 +187,50 @@ def attribute(results: list[TapResult], num_layers: int | None = None,
         role = "pass" if r.passed else "inherited" if bad else "source"
         out.append(dataclasses.replace(r, role=role, fed_by=bad))
     return out
+
+
+KV_INPUTS = (".attn.k", ".attn.k_norm", ".attn.v")  # the taps a layer's KV cache holds
+
+
+def at_step(results: list[TapResult], step: int) -> list[TapResult]:
+    """Results of one decode step's comparison, marked as such (and their isolated runs)."""
+    def mark(r: TapResult) -> TapResult:
+        return dataclasses.replace(r, phase="decode", step=step,
+                                   message=r.message and f"decode step {step}: {r.message}")
+    return [dataclasses.replace(mark(r), isolated=None if r.isolated is None else mark(r.isolated)) for r in results]
+
+
+def attribute_phases(results: list[TapResult], num_layers: int,
+                     arch: Architecture | None = None) -> list[TapResult]:
+    """Roles across phases. A decode step's source that is the same tap's source at the prefill or an earlier
+    step is that fault again (one fault, one source: where it first shows). One that reads the KV cache (its inputs
+    are a layer's keys and values) inherits from those keys or values where they failed at the prefill or an
+    earlier step: the cache holds them."""
+    def at(s: int | None) -> str:
+        return " (prefill)" if s is None else f" (decode step {s})"
+    failed = {(r.name, r.step) for r in results if not r.verdict}
+    sources = {(r.name, r.step) for r in results if r.role == "source"}
+    out = []
+    for r in results:
+        if r.phase == "decode" and r.role == "source":
+            earlier = [None, *range(r.step)]
+            kv = [t for t in inputs_of(r.name, num_layers, arch) if t.endswith(KV_INPUTS)]
+            bad = [r.name + at(s) for s in earlier if (r.name, s) in sources][:1] or \
+                [t + at(s) for s in earlier for t in kv if (t, s) in failed]
+            if bad:
+                r = dataclasses.replace(r, role="inherited", fed_by=bad)
+        out.append(r)
+    return out
+
+
+def kernel_branches(results: list[TapResult], possible: dict[str, list[str]]) -> dict[str, Any]:
+    """The serving kernels the compared taps were computed by, per phase, and those the methods may choose
+    (``possible``: per tap) that no compared tap ran."""
+    ran = {phase: sorted({k for r in results if r.phase == phase for k in r.kernels})
+           for phase in ("prefill", "decode")}
+    every = {k for r in results for k in r.kernels}
+    could = {k for t in {r.name for r in results} for k in possible.get(t, ())}
+    return {"exercised": {p: k for p, k in ran.items() if k}, "not_exercised": sorted(could - every)}
 
 
 def first_divergence(results: list[TapResult]) -> TapResult | None:

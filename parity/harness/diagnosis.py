@@ -36,6 +36,7 @@ KINDS = ("code_table", "bit_order", "pack_layout", "scale_missing", "scale_inver
          "zero_point", "bias", "activation_quant", "undecided")
 KINDS += ("norm_epsilon", "rope", "routing")  # the hints of norm, attention and router taps (op_hints)
 KINDS += ("packing_order", "g_idx_ignored")  # 4-bit words read in another field order; g_idx read by position
+KINDS += ("kv_cache",)  # keys / values attention read at a decode step that are not those its projections made
 
 EXPLAINED = 0.1  # a channel is explained when the residual is at most this share of its deviation
 MIN_SHARE = 0.9  # ... for at least this share of the channels

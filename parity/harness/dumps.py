@@ -29,6 +29,13 @@ def key(tap: str, prompt: int) -> str:
     return f"{tap}@{prompt}"
 
 
+def step_dir(root: str | Path, step: int) -> Path:
+    """Where decode step ``step`` of the dump at ``root`` is kept: a dump of its own beside it, each prompt's
+    rows being the one position that step computed, so every comparison reads it as it reads a prefill."""
+    root = Path(root)
+    return root.parent / f"{root.name}-decode{step}"
+
+
 def split_key(k: str) -> tuple[str, int]:
     tap, _, p = k.rpartition("@")
     return tap, int(p)
@@ -99,8 +106,18 @@ class DumpReader:
         for p in self.prompts(tap) if prompts is None else prompts:
             t = self.get(tap, p)
             parts.append(t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(-1, 1))
-            rows += [(p, i) for i in range(t.shape[0])]
+            first = self.first_position(p)
+            rows += [(p, first + i) for i in range(t.shape[0])]
         return torch.cat(parts), rows
+
+    def first_position(self, prompt: int) -> int:
+        """The position of the prompt's first row: 0, but a decode step's dump starts where that step ran."""
+        first = self.manifest.get("first_positions")
+        return int(first[prompt]) if first else 0
+
+    def steps(self) -> list[DumpReader]:
+        """The dumps of the decode steps this capture ran (its manifest's ``decode``), in order."""
+        return [DumpReader(step_dir(self.root, s)) for s in range(int(self.manifest.get("decode", {}).get("steps", 0)))]
 
     def entry(self, tap: str, prompt: int) -> dict[str, Any]:
         try:

@@ -39,9 +39,9 @@ class ParityItem(pytest.Item):
             if not result["passed"]:
                 raise TapFailure(_describe_check(self.check, result))
             return
-        r = session.judgement()[self.check]
-        if r.isolated is not None:  # isolated mode: the tap's own error decides
-            r = _isolated_view(r)
+        # the prefill's, then each decode step's; isolated mode: the tap's own error decides
+        phases = [_isolated_view(r) if r.isolated is not None else r for r in session.judgement().phases(self.check)]
+        r = phases[0]
         if r.metrics is not None:
             for k, v in r.as_dict()["metrics"].items():
                 self.user_properties.append((k, v))
@@ -49,6 +49,7 @@ class ParityItem(pytest.Item):
                                      ("margin", r.metrics.margin)]
         self.user_properties += [("atol", r.tolerance.atol), ("row_rtol", r.tolerance.row_rtol),
                                  ("token_rtol", r.tolerance.token_rtol)]
+        r = next((f for f in phases if not f.passed), r)  # the first phase that fails
         if not r.passed:
             state = self.config._parity_state
             if self.config.getoption("--parity-pdb") and r.role == "source" and not state.debugged:
@@ -67,12 +68,12 @@ class ParityItem(pytest.Item):
 
 def _debug_source(config: pytest.Config, session: ParitySession, result) -> None:
     """The first source of a divergence, both tensors (all prompts' rows) and their diff in reach."""
-    ref, cand = session.capture().pair(result.name)
+    ref, cand = session.capture().at(result.step).pair(result.name)
     diff = cand - ref
     hints = [h.as_dict() for h in session.diagnosis().of(result.name)]
     capture = config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():
-        print(f"\nparity: first source {result.name}: {result.message}\n"
+        print(f"\nparity: first source {result.label}: {result.message}\n"
               f"  ref, cand: {tuple(ref.shape)} (rows = prompts' positions in order), diff = cand - ref; "
               f"hints: {hints or 'none'}\n  worst element {result.metrics.worst_index} (prompt, position, feature)")
     breakpoint()  # pytest suspends output capture for its debugger

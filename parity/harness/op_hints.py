@@ -581,6 +581,58 @@ def _op_hints(tap: str, suffix: str, reference, candidate, ckpt, arch) -> list[H
     return []
 
 
+@_single_threaded
+def kv_cache(tap: str, step: int, references: list, candidates: list, ckpt, arch) -> Hint:
+    """The hint of attention's output failing at decode step ``step`` (``references``, ``candidates``: the
+    prefill's DumpReader, then each decode step's). The attention is recomputed, causal over every position so
+    far, from the candidate's own q, k and v (its prefill's rows and its decode steps' up to this one): when that
+    gives the reference's output and not the candidate's, the attention read keys or values other than those its
+    projections made, i.e. what the KV cache held."""
+    taps = _qkv_taps(tap, arch)
+    found = arch.point(tap)
+    module = found[1].rsplit(".", 1)[0] if found else tap
+    what = f"decode step {step} ({module})"
+    config = getattr(ckpt, "config", None)
+    if not config or not taps or not all(t in c.taps() for c in candidates[: 2 + step] for t in taps):
+        return _ruled_out(tap, what, Checked("kv_cache", math.inf, "no q, k, v taps or config to recompute it from"))
+    try:
+        return _kv_cache(tap, step, references, candidates, config, taps, module, what)
+    except (RuntimeError, KeyError, IndexError, TypeError) as exc:  # what the dumps or config do not allow
+        raise ValueError(f"{tap}: {type(exc).__name__}: {exc}") from exc
+
+
+def _kv_cache(tap: str, step: int, references: list, candidates: list, config, taps: list[str], module: str,
+              what: str) -> Hint:
+    from vllm_parity.harness.taps import layer_of
+
+    attn = AttentionContext.of(config, layer_of(tap) or 0, module)
+    freqs = attn.inv_freq(attn.rope)
+    preds, refs, cands = [], [], []
+    for p in candidates[1 + step].prompts(tap):
+        qkv = [torch.cat([_rows_of(d.get(t, p)) for d in candidates[: 2 + step]]) for t in taps]
+        if qkv[0].shape[-1] != attn.heads * attn.head_dim:
+            return _ruled_out(tap, what, Checked("kv_cache", math.inf, "another attention than the one recomputed"))
+        preds.append(attn.context(*qkv, attn.rope, freqs)[-1:])
+        refs.append(_rows_of(references[1 + step].get(tap, p)))
+        cands.append(_rows_of(candidates[1 + step].get(tap, p)))
+    pred, ref, cand = (torch.cat(x).to(torch.float64) for x in (preds, refs, cands))
+    dev = float((cand - ref).norm())
+    to_ref, to_cand = float((pred - ref).norm()) / max(dev, 1e-300), float((pred - cand).norm()) / max(dev, 1e-300)
+    if to_ref > EXPLAINED or not math.isfinite(to_ref):
+        return _ruled_out(tap, what, Checked("kv_cache", to_ref, (
+            f"attention recomputed from the candidate's own q, k and v is {_g(to_ref)} of the deviation away from "
+            f"the reference's output: the error is not only in what the cache held")))
+    names = ", ".join(_suffix(t).removeprefix("attn.") for t in taps)
+    return Hint(tap, "kv_cache", (
+        f"{tap} at decode step {step}: attention recomputed from the candidate's own {names} (its prefill's rows "
+        f"and its decode steps' up to this one, every one of them passing) leaves {_g(to_ref)} of the deviation "
+        f"from the reference's output and is {_g(to_cand)} of it away from the candidate's (deviation norm "
+        f"{_g(dev)}), while the same tap passes at the prefill: the attention read keys or values other than "
+        f"those its projections made"), (
+        f"check the KV cache of {module}: what is written to it at the prefill (slot mapping, the key/value "
+        f"layout, the cache dtype and its scales) and what the decode reads back (block table, positions)"))
+
+
 def _ruled_out(tap: str, module: str, checked: Checked) -> Hint:
     return ruled_out(tap, [(checked.kind, checked.share)], why=f" ({module}): {checked.note}",
                      criterion=f"a cause holds when it leaves at most {EXPLAINED} of the tap's deviation", next_step=(

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from vllm_parity.harness import plots
-from vllm_parity.harness.report import describe_separation
+from vllm_parity.harness.report import describe_branches, describe_separation, tap_key
 
 # (header, key for #sort=, the value of a tap dict); a number sorts as one, None sorts last
 COLUMNS: tuple[tuple[str, str, Any], ...] = (
@@ -127,9 +127,10 @@ def _summary(report: dict) -> tuple[str, str]:
     run = report["run"]
     verdict = "PASSED" if report["passed"] else "FAILED"
     first = report.get("first_divergence")
-    source = next((t for t in report["taps"] if first and t["name"] == first["name"]), None)
+    source = next((t for t in report["taps"] if first and tap_key(t) == tap_key(first)), None)
+    at = f", decode step {first['step']}" if first and first.get("phase") == "decode" else ""
     first_html = ("no divergence" if not first else
-                  f"<b>{_e(first['name'])}</b> (layer {_e(_fmt(first.get('layer')))})"
+                  f"<b>{_e(first['name'])}</b> (layer {_e(_fmt(first.get('layer')))}{_e(at)})"
                   + (f" — {_e(source['message'])}" if source and source.get("message") else ""))
     meta = [("model", run.get("model")), ("architecture", run.get("architecture")), ("format", run.get("format")),
             ("level", run.get("level")),
@@ -137,6 +138,8 @@ def _summary(report: dict) -> tuple[str, str]:
             ("candidate", run.get("candidate")), ("dtype", run.get("dtype")), ("against", run.get("against")),
             ("started", run.get("started")), ("prompts sha256", run.get("prompts_sha256")),
             ("model sha256", run.get("model_sha256")),
+            ("decode steps", run.get("decode_steps")),
+            ("kernel branches", describe_branches(run.get("kernel_branches"))),
             ("versions", " · ".join(f"{k} {v}" for k, v in (run.get("versions") or {}).items())),
             ("timings", " · ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in (run.get("timings") or {}).items()
                                    if isinstance(v, (int, float))))]

@@ -150,7 +150,7 @@ def error_against_layer(report: dict[str, Any]) -> go.Figure | None:
     fig.update_xaxes(tickvals=ticks, ticktext=text, title_text="layer", range=[-1.5, num_layers + 0.5])
     fig.update_yaxes(title_text="error (token relative; elementwise-only taps: least passing atol)", col=1)
     first = report.get("first_divergence")
-    if first:
+    if first and not is_decode(first):  # a decode step's is marked on the plot against the step
         source = next((t for t in taps if t["name"] == first["name"]), None)
         if source is not None:
             fig.add_vline(x=x_of(source), line={"color": "#c00", "dash": "dot", "width": 2},
@@ -171,6 +171,10 @@ def error_against_step(report: dict[str, Any]) -> go.Figure | None:
     _add(fig, [taps], lambda t: t["step"], (min(steps) - 0.5, max(steps) + 0.5), key=lambda t: t["name"])
     fig.update_xaxes(title_text="decode step", dtick=1)
     fig.update_yaxes(title_text="error (token relative; elementwise-only taps: least passing atol)")
+    first = report.get("first_divergence")
+    if first and is_decode(first):
+        fig.add_vline(x=first["step"], line={"color": "#c00", "dash": "dot", "width": 2},
+                      annotation_text=f"first divergence: {first['name']}", annotation_font_color="#c00")
     fig.update_layout(height=380, margin={"t": 30, "l": 70, "r": 20, "b": 50}, template="plotly_white")
     return fig
 

@@ -79,6 +79,10 @@ OPTIONS: tuple[tuple[str, str | None, dict], ...] = (
         action="store_true",
         help="stop in the debugger at the first source of a divergence, with `ref`, `cand`, `diff` and `hints` "
              "loaded")),
+    ("--parity-decode-steps", "decode_steps", dict(
+        type=int, default=2, metavar="N",
+        help="greedy decode steps after each prompt's prefill whose taps are compared too, against the reference "
+             "over the prompt and the tokens the candidate generated (default 2; 0: the prefill only)")),
     ("--parity-greedy-tokens", "greedy_tokens", dict(
         type=int, default=8, metavar="N", help="tokens of greedy continuation compared at the model level")),
 )

@@ -1,7 +1,8 @@
 """Forward hooks that take canonical taps from a model and stream them to a dump.
 
 The recorder is side-agnostic: an architecture's tap rows (:mod:`vllm_parity.architectures`) say where to hook, and a ``rows``
-callback turns the token-major tensors of one forward into ``{prompt: (positions, features)}``.
+callback turns the token-major tensors of one forward into ``{prompt: (positions, features)}``; a key
+``(step, prompt)`` puts those rows in decode step ``step``'s dump instead (``step_writer``).
 Tensors are flushed to the dump whenever the forward moves on to the next decoder layer, so memory
 holds one layer's taps at a time.
 """
@@ -17,16 +18,17 @@ from vllm_parity.harness.dumps import DumpWriter, key
 from vllm_parity.architectures import TapPoint
 from vllm_parity.harness.taps import expand, layer_of, take_for
 
-RowsFn = Callable[[torch.Tensor], dict[int, torch.Tensor]]
+RowsFn = Callable[[torch.Tensor], dict[int | tuple[int, int], torch.Tensor]]
 
 
 class Recorder:
     def __init__(self, model: nn.Module, points: tuple[TapPoint, ...], num_layers: int, writer: DumpWriter,
-                 wanted: Callable[[str], bool] | None = None):
-        self.model, self.writer = model, writer
+                 wanted: Callable[[str], bool] | None = None,
+                 step_writer: Callable[[int], DumpWriter] | None = None):
+        self.model, self.writer, self.step_writer = model, writer, step_writer
         self.rows: RowsFn | None = None
         self.handles: list = []
-        self.pending: dict[str, torch.Tensor] = {}
+        self.pending: dict[int | None, dict[str, torch.Tensor]] = {}  # decode step (None: prefill) -> tensors
         self.group: str | None = None
         self.seen: set[str] = set()
         self.plan = [(tap, p, m) for tap, p, m in expand(points, num_layers, getattr(model, "config", None))
@@ -62,14 +64,14 @@ class Recorder:
             self.flush()
             self.group = group
         # clone: a later fused op may update the captured tensor in place
-        for prompt, t in self.rows(tensor.detach()).items():
-            k = key(tap, prompt)
-            self.pending[k] = t.clone()
+        for slot, t in self.rows(tensor.detach()).items():
+            step, prompt = slot if isinstance(slot, tuple) else (None, slot)
+            self.pending.setdefault(step, {})[key(tap, prompt)] = t.clone()
             self.seen.add(tap)
 
     def flush(self) -> None:
-        if self.pending:
-            self.writer.write(self.group or "misc", self.pending)
+        for step, tensors in self.pending.items():
+            (self.writer if step is None else self.step_writer(step)).write(self.group or "misc", tensors)
         self.pending = {}
         self.group = None
 

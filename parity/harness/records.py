@@ -26,12 +26,18 @@ def _reader(path: str | None) -> DumpReader | None:
 
 @dataclass(frozen=True)
 class Capture:
-    """Both sides' dumps. ``isolated``: the candidate again with every layer fed the reference's input."""
+    """Both sides' dumps. ``isolated``: the candidate again with every layer fed the reference's input;
+    ``steps``: the same for each decode step (its rows: one position per prompt)."""
 
     reference: DumpReader
     candidate: DumpReader | None = None
     isolated: DumpReader | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    steps: tuple["Capture", ...] = ()
+
+    def at(self, step: int | None) -> "Capture":
+        """The prefill's dumps (``step`` None) or decode step ``step``'s."""
+        return self if step is None else self.steps[step]
 
     @property
     def judged(self) -> DumpReader:
@@ -45,11 +51,13 @@ class Capture:
     def as_dict(self) -> dict[str, Any]:
         return {"reference": str(self.reference.root),
                 "candidate": None if self.candidate is None else str(self.candidate.root),
-                "isolated": None if self.isolated is None else str(self.isolated.root), "seconds": dict(self.seconds)}
+                "isolated": None if self.isolated is None else str(self.isolated.root), "seconds": dict(self.seconds),
+                **({"steps": [s.as_dict() for s in self.steps]} if self.steps else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Capture:
-        return cls(DumpReader(d["reference"]), _reader(d["candidate"]), _reader(d["isolated"]), dict(d["seconds"]))
+        return cls(DumpReader(d["reference"]), _reader(d["candidate"]), _reader(d["isolated"]), dict(d["seconds"]),
+                   tuple(cls.from_dict(s) for s in d.get("steps", ())))
 
 
 @dataclass(frozen=True)
@@ -60,10 +68,18 @@ class Judgement:
     seconds: float = 0.0
 
     def __getitem__(self, name: str) -> TapResult:
+        """The tap's prefill result."""
         for r in self.taps:
             if r.name == name:
                 return r
         raise KeyError(f"{name!r} was not compared in this run")
+
+    def phases(self, name: str) -> list[TapResult]:
+        """The tap's results: the prefill's, then each decode step's."""
+        found = [r for r in self.taps if r.name == name]
+        if not found:
+            raise KeyError(f"{name!r} was not compared in this run")
+        return found
 
     @property
     def first(self) -> TapResult | None:
@@ -121,7 +137,9 @@ class RunRecord:
         errors = self.diagnosis.errors
         extras = {**self.checks, **({"diagnosis_errors": {"passed": True, "errors": errors}} if errors else {})}
         rep = report.build({**self.run, "extras": extras}, [r.as_dict() for r in self.judgement.taps],
-                           {"name": first.name, "layer": first.layer} if first else None,
+                           None if first is None else {"name": first.name, "layer": first.layer,
+                                                       **({"phase": first.phase, "step": first.step}
+                                                          if first.phase != "prefill" else {})},
                            [h.as_dict() for h in self.diagnosis.hints])
         rep["passed"] = self.passed
         return rep

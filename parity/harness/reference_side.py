@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from vllm_parity.harness.dumps import DumpReader, DumpWriter
+from vllm_parity.harness.dumps import DumpReader, DumpWriter, step_dir
 from vllm_parity.harness.recorder import Recorder
 from vllm_parity.architectures import Architecture
 
@@ -51,6 +51,36 @@ def capture(model: nn.Module, arch: Architecture, prompts: list[list[int]], out:
         raise RuntimeError(f"taps never fired on the reference: {missing[:5]}")
     writer.meta["side"] = writer.meta.get("side", "reference")
     return DumpReader(writer.close())
+
+
+def capture_decode(model: nn.Module, arch: Architecture, prompts: list[list[int]], tokens: list[list[int]],
+                   out: str | Path, meta: dict | None = None,
+                   wanted: Callable[[str], bool] | None = None) -> list[DumpReader]:
+    """The reference at a candidate's decode steps: one forward per prompt over the prompt and the tokens the
+    candidate ran at its decode steps (``tokens[p][s]`` at step s; its own, so the comparison holds when they
+    differ from the reference's greedy ones); step s's rows (position ``len(prompt) + s``) go to
+    ``dumps.step_dir(out, s)``. A causal model's rows there are what a KV cache would give."""
+    steps = len(tokens[0]) if tokens else 0
+    writers = [DumpWriter(step_dir(out, s), {**(meta or {}), "decode_step": s,
+                                             "first_positions": [len(ids) + s for ids in prompts]})
+               for s in range(steps)]
+    rec = Recorder(model, arch.taps, model.config.num_hidden_layers, writers[0] if writers else None,
+                   wanted=wanted, step_writer=lambda s: writers[s]).install()
+    try:
+        for p, (ids, new) in enumerate(zip(prompts, tokens)):
+            n = len(ids)
+            rec.rows = lambda t, p=p, n=n: {(s, p): (t[0] if t.dim() == 3 else t)[n + s: n + s + 1]
+                                            for s in range(steps)}
+            with torch.no_grad():
+                model(torch.tensor([list(ids) + list(new)], dtype=torch.long), use_cache=False)
+            rec.flush()
+    finally:
+        rec.remove()
+    out = []
+    for w in writers:
+        w.meta["side"] = w.meta.get("side", "reference")
+        out.append(DumpReader(w.close()))
+    return out
 
 
 def _feed_projections(model: nn.Module, arch: Architecture, num_layers: int, ref: DumpReader, current: dict) -> list:

@@ -17,6 +17,11 @@ import torch
 SCHEMA = "parity-report/1"
 
 
+def tap_key(tap: dict[str, Any]) -> str:
+    """A report tap's unique name: a decode step's result has its tap's name and ``#decode<step>``."""
+    return tap["name"] + (f"#decode{tap['step']}" if tap.get("phase") == "decode" else "")
+
+
 def build(run: dict[str, Any], taps: list[dict[str, Any]], first: dict | None, hints: list[dict]) -> dict:
     return {"schema": SCHEMA, "run": run, "taps": taps, "first_divergence": first, "hints": hints,
             "separation": separation(taps), "passed": all(t.get("verdict", t["passed"]) for t in taps)}
@@ -100,6 +105,14 @@ def render(run_dir: str | Path) -> None:
     (run_dir / "report.html").write_text(html_page(report, heatmap))
 
 
+def describe_branches(branches: dict[str, Any] | None) -> str:
+    """The kernel branches of a run's ``kernel_branches``, as one line ("" where the methods report none)."""
+    if not branches or not branches.get("exercised"):
+        return ""
+    ran = "; ".join(f"{phase}: {', '.join(k)}" for phase, k in branches["exercised"].items())
+    return f"exercised {ran}; not exercised: {', '.join(branches['not_exercised']) or 'none'}"
+
+
 def fmt(v: Any, none: str = "—", spec: str = ".3g") -> str:
     """A report's value as text: floats to ``spec``, None as ``none``."""
     if v is None:
@@ -115,7 +128,8 @@ def markdown(report: dict) -> str:
              f"model `{run['model']}` · format {run['format']} · level {run['level']} · mode {run['mode']} · "
              f"{'PASSED' if report['passed'] else 'FAILED'}", ""]
     first = report["first_divergence"]
-    lines.append(f"First divergence: **{first['name']}** (layer {first['layer']})" if first else
+    at = f", decode step {first['step']}" if first and first.get("phase") == "decode" else ""
+    lines.append(f"First divergence: **{first['name']}** (layer {first['layer']}{at})" if first else
                  "No divergence.")
     sep = describe_separation(report.get("separation"))
     if sep:
@@ -131,7 +145,7 @@ def markdown(report: dict) -> str:
         iso = (t.get("isolated") or {}).get("metrics") or {}
         result = "pass" if t.get("verdict", t["passed"]) and t.get("role", "pass") == "pass" else t.get("role", "fail")
         tol = t["tolerance"]
-        lines.append(f"| {t['name']} | {t['level']} | {fmt(m.get('token_rel'))} | {fmt(tol.get('token_rtol'))} | "
+        lines.append(f"| {tap_key(t)} | {t['level']} | {fmt(m.get('token_rel'))} | {fmt(tol.get('token_rtol'))} | "
                      f"{fmt(mt.get('row_rtol'))} | {fmt(tol.get('row_rtol'))} | {fmt(m.get('max_abs'))} | "
                      f"{fmt(iso.get('max_abs'))} | {fmt(m.get('cosine'))} | {fmt(m.get('sqnr_db'))} | "
                      f"{fmt(m.get('mismatch_frac'))} | {fmt(t.get('margin'))} | {fmt(t.get('growth'))} | {result} |")

@@ -62,6 +62,8 @@ class Options:
     trend: str | None = None  # append each run's minimum passing tolerances to this JSON Lines file
     headroom: float = 10.0
     greedy_tokens: int = 8
+    # greedy decode steps after each prefill whose taps are compared too (the pytest face's default: 2)
+    decode_steps: int = 0
     top_k: int = 5
     command: list[str] = field(default_factory=lambda: list(sys.argv))
     root: str = "."
@@ -108,6 +110,7 @@ class ParitySession:
         self._golden_error: Exception | None = None
         self._reference_tokens: list[list[int]] | None = None
         self._reference_logits: list[list[torch.Tensor]] | None = None  # at each greedy step
+        self._reference_model = None  # kept from the prefill's capture for the decode steps' one
 
     # -- what runs ------------------------------------------------------------------------------
 
@@ -120,6 +123,25 @@ class ParitySession:
         if self.opts.taps:
             taps = [t for t in taps if fnmatch.fnmatchcase(t, self.opts.taps)]
         return taps
+
+    @property
+    def decode_steps(self) -> int:
+        """The decode steps compared: none where the taps are not hooked, where the candidate has no KV cache (the
+        kernels candidate runs full forwards), or where no live reference runs (a golden holds the prefill's)."""
+        return 0 if self.why_no_decode() else self.opts.decode_steps
+
+    def why_no_decode(self) -> str | None:
+        if self.opts.decode_steps < 0:
+            raise ValueError(f"--parity-decode-steps {self.opts.decode_steps}: a count of steps, 0 or more")
+        if self.opts.decode_steps == 0:
+            return None
+        if self.opts.compiled:
+            return "the compiled engine runs no hooks"
+        if self.opts.candidate != "vllm":
+            return f"the {self.opts.candidate} candidate has no KV cache"
+        if self.opts.against == "golden" and not self.opts.update_golden:
+            return "a golden reference holds the prefill only"
+        return None
 
     @functools.cached_property
     def model_sha256(self) -> str:
@@ -219,10 +241,36 @@ class ParitySession:
         if self.opts.compiled:
             return Capture(reference, seconds=dict(self._seconds))
         candidate = self.candidate_dump()
+        references = self.reference_steps(candidate)
         if self.opts.calibrate:
             self._calibration = self.calibrate(reference, candidate)
-        isolated = self.candidate_dump(isolated=True, feed=reference) if self.mode == "isolated" else None
-        return Capture(reference, candidate, isolated, dict(self._seconds))  # the record keeps its own copy
+        isolated = None
+        if self.mode == "isolated":
+            isolated = self.candidate_dump(isolated=True, feed=reference, feed_steps=references,
+                                           forced=candidate.manifest.get("decode", {}).get("tokens"))
+        isolated_steps = isolated.steps() if isolated is not None else [None] * len(references)
+        steps = tuple(Capture(r, c, i) for r, c, i in zip(references, candidate.steps(), isolated_steps))
+        return Capture(reference, candidate, isolated, dict(self._seconds), steps)  # the record keeps its own copy
+
+    def reference_steps(self, candidate: DumpReader) -> list[DumpReader]:
+        """The reference at the candidate's decode steps: over each prompt and the tokens the candidate ran."""
+        tokens = candidate.manifest.get("decode", {}).get("tokens")
+        if not tokens:
+            return []
+        from vllm_parity.harness import reference_side
+
+        t0 = time.perf_counter()
+        model, self._reference_model = self._reference_model, None
+        if model is None:
+            model = self._build_reference(torch.float32)
+        self.progress.stage("reference decode", f"{len(tokens[0])} steps after each of {len(self.prompts)} prompts")
+        with self.progress.layers(_decoder_layers(model), len(self.prompts)):
+            steps = reference_side.capture_decode(model, self.arch, self.prompts, tokens,
+                                                  self.dump_root() / "reference",
+                                                  {**self.meta("reference"), "dtype": "float32"}, wanted=self.wanted)
+        del model
+        self._seconds["reference_decode_s"] = time.perf_counter() - t0
+        return steps
 
     def _remembered(self, stage):
         """A stage's record; an error is kept and raised again for every item that needs it."""
@@ -237,20 +285,13 @@ class ParitySession:
         """The fp32 reference's dump; ``variant`` (calibration) is one of ``vllm_parity.harness.calibrate.VARIANTS``
         or ``SERVING_VARIANTS``: the same model in another precision, attention implementation or summation order."""
         from vllm_parity.harness import calibrate, reference_side
-        from vllm_parity.reference.model import build_reference_model
 
         t0 = time.perf_counter()
         dtype = torch.float64 if variant == "fp64" else getattr(torch, variant) \
             if variant in calibrate.SERVING_VARIANTS else torch.float32
         # Decoded fp32 weights of a large model would dominate memory: decode them per forward instead.
-        decoded = 4 * sum(n * k for n, k in self.ckpt.linear_shapes().values())
         name = "reference" if variant is None else f"reference-{variant}"
-        self.progress.stage(f"{name} build", f"{self.format}, {self.num_layers} layers")
-        served = getattr(torch, self.opts.dtype)
-        model = build_reference_model(self.ckpt, dtype=dtype, cache=decoded <= CACHE_DECODED_BYTES,
-                                      attn_implementation="sdpa" if variant == "sdpa" else "eager",
-                                      on_decoded=lambda i, n, _: self.progress.step(i, n, "projections decoded"),
-                                      activations_in=served if variant is None and served != torch.float32 else None)
+        model = self._build_reference(dtype, name, "sdpa" if variant == "sdpa" else "eager")
         order = calibrate.reversed_summation() if variant == "reversed" else contextlib.nullcontext()
         self.progress.stage(f"{name} capture", f"{len(self.prompts)} prompts")
         with order, self.progress.layers(_decoder_layers(model), 1 + len(self.prompts)):  # a warm-up forward first
@@ -265,9 +306,23 @@ class ParitySession:
                 greedy = [_greedy(model, ids, n) for ids in self.prompts]
             self._reference_tokens = [tokens for tokens, _ in greedy]
             self._reference_logits = [steps for _, steps in greedy]
+        if variant is None and self.decode_steps:
+            self._reference_model = model  # the decode steps' reference runs after the candidate's
         del model  # the dump holds what later checks read: free the weights
         self._seconds[f"{name.replace('-', '_')}_s"] = time.perf_counter() - t0
         return dump
+
+    def _build_reference(self, dtype: torch.dtype, name: str = "reference", attention: str = "eager"):
+        from vllm_parity.reference.model import build_reference_model
+
+        # Decoded fp32 weights of a large model would dominate memory: decode them per forward instead.
+        decoded = 4 * sum(n * k for n, k in self.ckpt.linear_shapes().values())
+        self.progress.stage(f"{name} build", f"{self.format}, {self.num_layers} layers")
+        served = getattr(torch, self.opts.dtype)
+        rounded = served if name == "reference" and served != torch.float32 else None  # what quantizers take
+        return build_reference_model(self.ckpt, dtype=dtype, cache=decoded <= CACHE_DECODED_BYTES,
+                                     attn_implementation=attention, activations_in=rounded,
+                                     on_decoded=lambda i, n, _: self.progress.step(i, n, "projections decoded"))
 
     def calibrate(self, reference: DumpReader, candidate: DumpReader) -> tuple[ToleranceTable, dict[str, Any]]:
         """Every tap's spread between correct implementations, and the tolerance table made from it (written
@@ -293,7 +348,8 @@ class ParitySession:
             t0 = time.perf_counter()
             self.progress.stage("engine start", f"vLLM, tensor parallel {self.opts.tensor_parallel_size}")
             with self._explained():
-                self._llm = make_run_llm(self.model_dir, self.ckpt.config, self.prompts, self.opts.greedy_tokens,
+                self._llm = make_run_llm(self.model_dir, self.ckpt.config, self.prompts,
+                                         max(self.opts.greedy_tokens, 1 + self.decode_steps),
                                          tensor_parallel_size=self.opts.tensor_parallel_size,
                                          compiled=self.opts.compiled, dtype=self.opts.dtype)
             self._seconds["engine_start_s"] = time.perf_counter() - t0
@@ -318,9 +374,10 @@ class ParitySession:
         llm, self._llm = self.llm(), None
         return llm
 
-    def candidate_dump(self, isolated: bool = False, repeat: bool = False,
-                       feed: DumpReader | None = None) -> DumpReader:
-        """The candidate's dump; ``isolated``: every layer fed ``feed``'s input for it."""
+    def candidate_dump(self, isolated: bool = False, repeat: bool = False, feed: DumpReader | None = None,
+                       feed_steps: list[DumpReader] = (), forced: list[list[int]] | None = None) -> DumpReader:
+        """The candidate's dump (its decode steps': ``DumpReader.steps``); ``isolated``: every layer fed ``feed``'s
+        input for it (``feed_steps``: at each decode step), the decode steps running the ``forced`` tokens."""
         if self.opts.candidate not in CANDIDATES:
             raise ValueError(f"unknown candidate {self.opts.candidate!r}; choose one of {CANDIDATES}")
         if self.opts.candidate == "vllm":
@@ -336,7 +393,8 @@ class ParitySession:
             llm = self.llm()
             with self._explained():
                 dump = vllm_side.capture(llm, self.arch, self.prompts, out, meta, taps=self.capture_taps(),
-                                         isolate_from=feed)
+                                         isolate_from=None if feed is None else [feed, *feed_steps],
+                                         decode_steps=self.decode_steps, forced=forced)
         else:
             from vllm_parity.harness import reference_side
 
@@ -532,6 +590,14 @@ class ParitySession:
                "timings": timings, "against": self.opts.against, "model_sha256": self.model_sha256}
         if self.opts.mode == "auto" and self.why_isolated():
             run["mode_reason"] = self.why_isolated()
+        run["decode_steps"] = len(capture.steps) if capture is not None else 0
+        if any(r.kernels for r in judgement.taps):
+            from vllm_parity.harness.compare import kernel_branches
+
+            run["kernel_branches"] = kernel_branches(judgement.taps,
+                                                     capture.candidate.manifest.get("kernel_branches", {}))
+        if self.why_no_decode():
+            run["decode_skipped"] = self.why_no_decode()
         if self._golden is not None:
             from vllm_parity.harness import golden
 

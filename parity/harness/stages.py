@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import time
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from typing import Any, Callable
 
 from vllm_parity.architectures import Architecture
 from vllm_parity.harness import report, snapshots
-from vllm_parity.harness.compare import TapResult, compare_dumps, merge_isolated
+from vllm_parity.harness.compare import TapResult, at_step, attribute_phases, compare_dumps, merge_isolated
 from vllm_parity.harness.records import Capture, Diagnosis, Judgement, RunRecord
 from vllm_parity.harness.tolerances import ToleranceTable
 from vllm_parity.reference.checkpoint import Checkpoint
@@ -19,15 +20,22 @@ from vllm_parity.reference.checkpoint import Checkpoint
 def judge(capture: Capture, taps: list[str], shown: list[str], table: ToleranceTable, num_layers: int,
           arch: Architecture, on_tap: Callable[[], None] | None = None) -> Judgement:
     """Every captured tap (layer inputs included: they decide source against inherited), then the roles from
-    the isolated run where there is one; the verdicts of the ``shown`` taps. ``on_tap``: after each tap of
-    each comparison."""
+    the isolated run where there is one; the prefill's, then each decode step's; the verdicts of the ``shown``
+    taps. ``on_tap``: after each tap of each comparison."""
     t0 = time.perf_counter()
-    results = compare_dumps(capture.reference, capture.candidate, taps, table, num_layers, arch, on_tap)
-    if capture.isolated is not None:
-        results = merge_isolated(results, compare_dumps(capture.reference, capture.isolated, taps, table,
-                                                        num_layers, arch, on_tap))
+
+    def one(c: Capture) -> list[TapResult]:
+        results = compare_dumps(c.reference, c.candidate, taps, table, num_layers, arch, on_tap)
+        if c.isolated is not None:
+            results = merge_isolated(results, compare_dumps(c.reference, c.isolated, taps, table, num_layers, arch,
+                                                            on_tap))
+        return results
+    results = one(capture)
+    for s, c in enumerate(capture.steps):
+        results += at_step(one(c), s)
     keep = set(shown)
-    return Judgement([r for r in results if r.name in keep], time.perf_counter() - t0)
+    return Judgement([r for r in attribute_phases(results, num_layers, arch) if r.name in keep],
+                     time.perf_counter() - t0)
 
 
 def diagnose(judgement: Judgement, capture: Capture, ckpt: Checkpoint, arch: Architecture,
@@ -38,10 +46,16 @@ def diagnose(judgement: Judgement, capture: Capture, ckpt: Checkpoint, arch: Arc
     from vllm_parity.harness.op_hints import op_hints
 
     t0 = time.perf_counter()
-    ref, cand = capture.reference, capture.judged
     hints, errors = [], []
     for r in judgement.taps:
         if r.role != "source" or r.metrics is None:
+            continue
+        ref, cand = capture.at(r.step).reference, capture.at(r.step).judged
+        if r.phase == "decode" and r.name.endswith(".attn.context"):
+            try:
+                hints.append(_kv_cache_hint(r, judgement, capture, ckpt, arch))
+            except ValueError as exc:
+                errors.append(f"{r.label}: {exc}")
             continue
         linear = None
         projection = arch.projection(r.name, ckpt.linear_shapes())
@@ -55,12 +69,14 @@ def diagnose(judgement: Judgement, capture: Capture, ckpt: Checkpoint, arch: Arc
         try:
             found = diagnose_tap(r.name, ref.stacked(r.name)[0], cand.stacked(r.name)[0], linear, tp_size=tp_size,
                                  siblings=siblings, parallel=cand.manifest.get("parallel", {}).get(r.name))
-            more = op_hints(r.name, ref, cand, ckpt, arch)
+            # attention at a decode step reads positions its step's dump does not hold: kv_cache's check
+            more = op_hints(r.name, ref, cand, ckpt, arch) if r.phase == "prefill" else []
             real = [h for h in found + more if h.kind != "undecided"]  # what was ruled out only when none holds
-            hints += real or found + more
+            hints += [_at_step(h, r) for h in real or found + more]
         except ValueError as exc:  # a shape the diagnosis cannot read is not a reason to lose the run
-            errors.append(f"{r.name}: {exc}")
-    outputs = [r for r in judgement.taps if r.name.endswith(".output") and r.metrics is not None]
+            errors.append(f"{r.label}: {exc}")
+    outputs = [r for r in judgement.taps if r.name.endswith(".output") and r.metrics is not None
+               and r.phase == "prefill"]  # drift is read across the layers of one forward
     if outputs:
         tol = outputs[-1].tolerance
         if tol.elementwise_only:
@@ -70,9 +86,29 @@ def diagnose(judgement: Judgement, capture: Capture, ckpt: Checkpoint, arch: Arc
             errs = [(r.name, r.metrics.token_rel) for r in outputs]
             bound, growth = (tol.token_rtol, "token relative error", "token_rtol"), DRIFT_MIN_GROWTH_RELATIVE
         last = outputs[-1].name
-        half = cand.entry(last, cand.prompts(last)[0]).get("dtype") in ("float16", "bfloat16")
+        judged = capture.judged
+        half = judged.entry(last, judged.prompts(last)[0]).get("dtype") in ("float16", "bfloat16")
         hints += diagnose_depth(errs, *bound, min_growth=growth, rounding=half)
     return Diagnosis(hints, errors, time.perf_counter() - t0)
+
+
+def _kv_cache_hint(r: TapResult, judgement: Judgement, capture: Capture, ckpt: Checkpoint, arch: Architecture):
+    """Attention failing at a decode step while its prefill passes: whether the KV cache explains it."""
+    from vllm_parity.harness.diagnosis import ruled_out
+    from vllm_parity.harness.op_hints import kv_cache
+
+    prefill = judgement.phases(r.name)[0]
+    if prefill.phase != "prefill" or not prefill.verdict:
+        return ruled_out(r.name, [("kv_cache", float("inf"))], why=f" at decode step {r.step}: the prefill fails too")
+    phases = [capture, *capture.steps]
+    return kv_cache(r.name, r.step, [c.reference for c in phases], [c.judged for c in phases], ckpt, arch)
+
+
+def _at_step(hint, r: TapResult):
+    """A hint of a decode step's tap says which step it read."""
+    if r.phase == "prefill":
+        return hint
+    return dataclasses.replace(hint, evidence=f"decode step {r.step}: {hint.evidence}")
 
 
 @dataclass(frozen=True)
@@ -110,8 +146,9 @@ def write(record: RunRecord, capture: Capture, root: Path, snapshot_dir: str, co
     heat = None
     if failing:
         f = record.judgement.first or failing[0]
-        ref, rows = capture.reference.stacked(f.name)  # every prompt's rows; the error the tap is judged on
-        heat = report.heatmap_of(f.name, ref, capture.judged.stacked(f.name)[0], rows)
+        at = capture.at(f.step)
+        ref, rows = at.reference.stacked(f.name)  # every prompt's rows; the error the tap is judged on
+        heat = report.heatmap_of(f.label, ref, at.judged.stacked(f.name)[0], rows)
     snapshot, snapshot_error = None, None
     if failing:
         try:
@@ -147,10 +184,12 @@ def _snapshot(record: RunRecord, capture: Capture, failing: list[TapResult], roo
               command: list[str]) -> Path:
     ref, cand, diff = {}, {}, {}
     for r in failing:
-        for p in capture.reference.prompts(r.name):
-            ref[f"{r.name}@{p}"] = capture.reference.get(r.name, p)
-            cand[f"{r.name}@{p}"] = capture.candidate.get(r.name, p)
-        diff[r.name] = r.as_dict()
+        at = capture.at(r.step)
+        name = r.name if r.phase == "prefill" else f"{r.name}#decode{r.step}"
+        for p in at.reference.prompts(r.name):
+            ref[f"{name}@{p}"] = at.reference.get(r.name, p)
+            cand[f"{name}@{p}"] = at.candidate.get(r.name, p)
+        diff[name] = r.as_dict()
     run = record.run
     meta = {"run": run["id"], "model": run["model"], "format": run["format"], "level": run["level"],
             "command": " ".join(command), "report": str(root), "prompts_sha256": run["prompts_sha256"]}

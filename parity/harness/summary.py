@@ -3,7 +3,7 @@ with their hints, the separation, goldens, where the report and the snapshot are
 
 from __future__ import annotations
 
-from vllm_parity.harness.report import describe_separation
+from vllm_parity.harness.report import describe_branches, describe_separation
 from vllm_parity.harness.session import Finished
 
 RED, YELLOW = {"red": True}, {"yellow": True}
@@ -17,10 +17,12 @@ def lines(finished: Finished | None, failures: list[tuple[str, str]]) -> list[tu
         judgement, hints = record.judgement, record.diagnosis.hints
         first = judgement.first
         if first is None:
-            out.append((f"no divergence over {len(judgement.taps)} taps (model {record.run['model']}, candidate "
-                        f"{record.run['candidate']})", {}))
+            steps = 1 + max((r.step for r in judgement.taps if r.step is not None), default=-1)
+            each = f", each at the prefill and {steps} decode step(s)" if steps else ""
+            out.append((f"no divergence over {len({r.name for r in judgement.taps})} taps{each} (model "
+                        f"{record.run['model']}, candidate {record.run['candidate']})", {}))
         else:
-            out.append((f"first divergence: {first.name} (layer {first.layer})", RED))
+            out.append((f"first divergence: {first.label} (layer {first.layer})", RED))
             for r in (r for r in judgement.taps if r.role == "source"):
                 out.append((f"  source {r.message}", {}))
                 for h in record.diagnosis.of(r.name):
@@ -32,6 +34,9 @@ def lines(finished: Finished | None, failures: list[tuple[str, str]]) -> list[tu
         if sep:
             out.append((f"separation: {sep}", {}))
         out += [(f"hint ({h.kind}): {h.evidence} — {h.fix}", YELLOW) for h in hints if h.kind == "drift"]
+        branches = describe_branches(record.run.get("kernel_branches"))
+        if branches:
+            out.append((f"kernel branches: {branches}", {}))
         unused = record.run.get("unused_golden_taps") or []
         if unused:
             out.append((f"unused golden taps (no comparison read them): {unused[:10]}"

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_parity.harness.report import tap_key
+
 SCHEMA = "parity-trend/1"
 
 
@@ -29,7 +31,7 @@ def row_of(report: dict, model_sha256: str | None = None) -> dict[str, Any]:
     if report.get("schema") != "parity-report/1":
         raise ValueError(f"report schema {report.get('schema')!r}, expected 'parity-report/1'")
     run = report["run"]
-    taps = {t["name"]: primary(t) for t in report["taps"]}
+    taps = {tap_key(t): primary(t) for t in report["taps"]}
     return {"schema": SCHEMA, "run": run.get("id"), "date": run.get("started") or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "model": run.get("model"), "model_sha256": model_sha256 or run.get("model_sha256"),
             "prompts_sha256": run.get("prompts_sha256"), "format": run.get("format"), "level": run.get("level"),

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_parity.harness.report import json_clean
+from vllm_parity.harness.report import json_clean, tap_key
 from vllm_parity.errors import ParityInputError
 
 
@@ -288,8 +288,8 @@ def _snapshots(args: argparse.Namespace) -> int:
         for k in ("model", "prompts_sha256"):
             if ma.get(k) != mb.get(k):
                 _warn("snapshots", f"{k} differs: {ma.get(k)} ({da.name}) vs {mb.get(k)} ({db.name})")
-        fa = {t["name"]: t for t in _failing(_read_json(da / "diff.json"))}
-        fb = {t["name"]: t for t in _failing(_read_json(db / "diff.json"))}
+        fa = {tap_key(t): t for t in _failing(_read_json(da / "diff.json"))}
+        fb = {tap_key(t): t for t in _failing(_read_json(db / "diff.json"))}
         appeared = [fb[n] for n in fb if n not in fa]
         gone = [fa[n] for n in fa if n not in fb]
         changed, same = [], 0
