@@ -1,11 +1,13 @@
 """Wall time and peak memory of ``pytest --parity-level=block``, with its breakdown.
 
 Runs the README's main command in a subprocess (so its peak RSS is its own) on the embedded default,
-and optionally on the generated 1.2 B-parameter ternary fixture (24 layers, hidden 2048, intermediate
-5632, vocab 32000). The breakdown comes from the run's report.json: engine start, reference and
-candidate capture, compare, report; "startup" is the rest (interpreter, imports, collection).
+and optionally on generated ternary fixtures: 1.2 B parameters (``--large``: 24 layers, hidden 2048,
+intermediate 5632, vocab 32000) and a 7B shape (``--xl``: Llama-2-7B's 32 layers, hidden 4096, intermediate
+11008, vocab 32000; random weights generated on the first run into the fixture cache, never committed). The
+breakdown comes from the run's report.json: engine start, reference and candidate capture (prefill and decode
+steps), compare, report; "startup" is the rest (interpreter, imports, collection).
 
-    python benchmarks/harness.py [--large] [--repeat N] [--baseline ROOT=PYTHON] [--out FILE]
+    python benchmarks/harness.py [--large] [--xl] [--no-default] [--repeat N] [--baseline ROOT=PYTHON] [--out FILE]
 
 ``--baseline`` runs the same command, alternating with this checkout's, from another checkout with the
 interpreter that has it installed (an earlier version, say): every figure is then a median over
@@ -27,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LARGE = dict(hidden=2048, layers=24, heads=16, kv_heads=8, intermediate=5632, vocab=32000)
+XL = dict(hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, vocab=32000)
 
 
 # Runs one command and prints its peak RSS: each measured run is the only child of its own wrapper.
@@ -49,7 +52,8 @@ def run_block(model: Path | None, label: str, root: Path = ROOT, python: str = s
             raise SystemExit(f"{label}: pytest exited {status['rc']}")
         rep = json.loads((Path(tmp) / "report" / "report.json").read_text())
     t = rep["run"]["timings"]
-    accounted = sum(t.get(k, 0.0) for k in ("engine_start_s", "reference_s", "candidate_s", "compare_s", "report_s"))
+    accounted = sum(t.get(k, 0.0) for k in ("engine_start_s", "reference_s", "reference_decode_s", "candidate_s",
+                                            "compare_s", "report_s"))
     return {
         "label": label, "model": rep["run"]["model"], "taps": len(rep["taps"]), "passed": rep["passed"],
         "wall_s": wall, "startup_and_collection_s": wall - accounted, **t,
@@ -71,6 +75,8 @@ def _median_row(runs: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--large", action="store_true", help="also run the 1.2 B-parameter fixture")
+    parser.add_argument("--xl", action="store_true", help="also run the 7B-shape fixture")
+    parser.add_argument("--no-default", action="store_true", help="leave out the embedded default")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "harness.json"))
     parser.add_argument("--repeat", type=int, default=1, help="runs of each command (the figures are medians)")
     parser.add_argument("--baseline", default=None, metavar="ROOT=PYTHON",
@@ -80,12 +86,17 @@ def main() -> None:
     from vllm_parity.fixtures.default_model import cache_root
 
     models = []
-    if args.large:
-        ckpt = cache_root() / "bench-1.2b-seed-article"
-        if not (ckpt / "config.json").is_file():
-            make_fixture("seed-article", ckpt, seed=0, dims=Dims(**LARGE), overwrite=False)
-        models.append((ckpt, "1.2B seed-article, block level"))
-    models.append((None, "embedded default, block level"))
+    for wanted, name, dims, label in ((args.large, "bench-1.2b-seed-article", LARGE, "1.2B seed-article"),
+                                      (args.xl, "bench-7b-seed-article", XL, "7B-shape seed-article")):
+        if wanted:
+            ckpt = cache_root() / name
+            if not (ckpt / "config.json").is_file():
+                t0 = time.perf_counter()
+                make_fixture("seed-article", ckpt, seed=0, dims=Dims(**dims), overwrite=False)
+                print(f"{label}: generated in {time.perf_counter() - t0:.0f} s", flush=True)
+            models.append((ckpt, f"{label}, block level"))
+    if not args.no_default:
+        models.append((None, "embedded default, block level"))
     sides = {"this checkout": (ROOT, sys.executable)}
     if args.baseline:
         root, python = args.baseline.split("=", 1)
