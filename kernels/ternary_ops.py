@@ -32,6 +32,12 @@ from vllm_parity.serving import choose
 from vllm_parity.serving.ternary_repack import NativeTernary, native_weight, repack, unpack_native  # noqa: F401
 
 
+def _quantized(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FORMATS.md per_token_absmax_int8 of fp32 rows: ``(x_q, s_x)`` with ``x ≈ x_q / s_x``."""
+    sx = 127.0 / xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
+    return (xf * sx).round().clamp(-128, 127), sx
+
+
 def _torch_impl(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                 k: int, group_size: int, act_quant: bool) -> torch.Tensor:
     native = NativeTernary(qweight=qweight, scale=scale, n=qweight.shape[0], k=k,
@@ -39,9 +45,7 @@ def _torch_impl(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bia
     w = native_weight(native, torch.float32)
     xf = x.to(torch.float32)
     if act_quant:
-        # FORMATS.md per_token_absmax_int8, in fp32.
-        sx = 127.0 / xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
-        xq = (xf * sx).round().clamp(-128, 127)
+        xq, sx = _quantized(xf)
         y = (xq @ w.t()) / sx
     else:
         y = xf @ w.t()
@@ -153,11 +157,10 @@ def tiles_linear(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias
     x2 = x.reshape(-1, k)
     w = torch.ops.parity_ternary.dequant_tiles(tiles, scale, n, k, group_size, x.dtype)
     if act_quant:
-        # FORMATS.md per_token_absmax_int8 in fp32; the quantized activations go to the GEMM dequantized in x's
-        # dtype (x_q / s_x: a GEMM of x_q itself could overflow fp16 before the division).
-        xf = x2.to(torch.float32)
-        sx = 127.0 / xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
-        x2 = ((xf * sx).round().clamp(-128, 127) / sx).to(x.dtype)
+        # The quantized activations go to the GEMM dequantized in x's dtype (x_q / s_x: a GEMM of x_q itself
+        # could overflow fp16 before the division).
+        xq, sx = _quantized(x2.to(torch.float32))
+        x2 = (xq / sx).to(x.dtype)
     y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype))
     return y.reshape(*lead, n)
 

@@ -78,7 +78,7 @@ def capture_decode(model: nn.Module, arch: Architecture, prompts: list[list[int]
         rec.remove()
     out = []
     for w in writers:
-        w.meta["side"] = w.meta.get("side", "reference")
+        w.meta.setdefault("side", "reference")
         out.append(DumpReader(w.close()))
     return out
 

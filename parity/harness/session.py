@@ -596,8 +596,8 @@ class ParitySession:
 
             run["kernel_branches"] = kernel_branches(judgement.taps,
                                                      capture.candidate.manifest.get("kernel_branches", {}))
-        if self.why_no_decode():
-            run["decode_skipped"] = self.why_no_decode()
+        if skipped := self.why_no_decode():
+            run["decode_skipped"] = skipped
         if self._golden is not None:
             from vllm_parity.harness import golden
 
