@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+import sys
+
 import torch
 
 from vllm_parity.errors import DecodeError, FormatError
@@ -33,6 +35,8 @@ from vllm_parity.reference.formats.ternary import TernarySpec
 
 WORD_CODES = 16  # 2-bit fields per int32 word
 FIELD_BIT = tuple(2 * (e // 2) + 16 * (e % 2) for e in range(WORD_CODES))
+if sys.byteorder != "little":  # the words are built and read as their little-endian bytes
+    raise ImportError("vllm_parity.serving.ternary_repack: the ternary layouts assume a little-endian machine")
 TILE_N, TILE_K = 16, 128  # rows and inputs of one tile of the tiled layout
 
 
@@ -119,19 +123,27 @@ def unpack_checkpoint(packed: torch.Tensor, spec: TernarySpec, n: int, k: int, n
     along_input = spec.pack_axis == "input"
     rows = packed if along_input else packed.t().contiguous()  # (other axis, P): bytes along the packed axis
     other, p = rows.shape
-    shifts = torch.tensor([2 * f if spec.bit_order == "lsb" else 6 - 2 * f for f in range(4)], dtype=torch.uint8,
-                          device=packed.device)
+    # Every byte value's four fields, read once into tables: a byte's values, and whether it holds a code
+    # that must not occur (one lookup a byte: a large model's load repacks billions of weights).
+    byte = torch.arange(256, device=packed.device)
+    codes = torch.stack([(byte >> (2 * f if spec.bit_order == "lsb" else 6 - 2 * f)) & 3 for f in range(4)], dim=-1)
     # value(code) for code = 2h + l, as a polynomial in its two bits: v0 + (v1-v0) l + (v2-v0) h + (v0-v1-v2+v3) hl
     v0, v1, v2, v3 = (0 if v is None else v for v in spec.code_map)
+    low, high = codes & 1, codes >> 1
+    value_of = ((v1 - v0) * low + (v2 - v0) * high + (v0 - v1 - v2 + v3) * (low & high) + v0).to(torch.int8)
     illegal = [c for c, v in enumerate(spec.code_map) if v is None]
+    illegal_in = torch.zeros(256, dtype=torch.bool, device=packed.device)
+    for c in illegal:
+        illegal_in |= (codes == c).any(-1)
     values = torch.empty(other, 4 * p, dtype=torch.int8, device=packed.device)
     bad = []
+    value_words = value_of.contiguous().view(torch.int32).view(256)  # a byte's four values as one word to gather
     for r0 in range(0, other, rows_per_step):
-        codes = ((rows[r0:r0 + rows_per_step].unsqueeze(-1) >> shifts) & 3).to(torch.int8)  # (rows, P, 4)
-        low, high = codes & 1, codes >> 1
-        slab = (v1 - v0) * low + (v2 - v0) * high + (v0 - v1 - v2 + v3) * (low & high) + v0
-        if any(bool((codes == c).any()) for c in illegal):
-            bad.append((r0, torch.stack([(codes == c).any(-1) for c in illegal]).any(0)))
+        index = rows[r0:r0 + rows_per_step].to(torch.int64)
+        slab = value_words.index_select(0, index.view(-1)).view(torch.int8).view(*index.shape, 4)  # (rows, P, 4)
+        hit = illegal_in.index_select(0, index.view(-1)).view(index.shape)
+        if bool(hit.any()):
+            bad.append((r0, hit))
         values[r0:r0 + rows_per_step] = slab.reshape(-1, 4 * p) if spec.pack_layout == "interleaved" else \
             slab.transpose(1, 2).reshape(-1, 4 * p)
     if bad:
@@ -151,16 +163,14 @@ def pack_native(values: torch.Tensor) -> torch.Tensor:
     """Ternary values ``(N, K)`` (any integer or float dtype, entries in {-1, 0, 1}) -> int32 ``(N, Kw)``."""
     n, k = values.shape
     kw = -(-k // WORD_CODES)
-    v = values.to(torch.int64)
-    field = (v != 0).to(torch.int64) | ((v < 0).to(torch.int64) << 1)
+    field = (values != 0).to(torch.uint8) | ((values < 0).to(torch.uint8) << 1)
     if kw * WORD_CODES != k:
         field = torch.cat([field, field.new_zeros(n, kw * WORD_CODES - k)], dim=1)
-    field = field.reshape(n, kw, WORD_CODES)
-    words = torch.zeros(n, kw, dtype=torch.int64, device=values.device)
-    for e in range(WORD_CODES):
-        words |= field[:, :, e] << FIELD_BIT[e]
-    # Bit 31 set -> the same bit pattern as a negative int32.
-    return (words - ((words >> 31) << 32)).to(torch.int32).contiguous()
+    # Field q of a word (bits 2q, 2q + 1) holds element 2 * (q % 8) + q // 8 (FIELD_BIT): in field order the
+    # elements run (parity, pair); byte b of the little-endian word holds fields 4b .. 4b + 3.
+    q = field.view(n, kw, WORD_CODES // 2, 2).transpose(-1, -2).reshape(n, kw, 4, 4)
+    words = q[..., 0] | (q[..., 1] << 2) | (q[..., 2] << 4) | (q[..., 3] << 6)  # (N, Kw, 4) bytes
+    return words.contiguous().view(torch.int32).view(n, kw)
 
 
 def unpack_native(qweight: torch.Tensor, k: int) -> torch.Tensor:

@@ -82,7 +82,7 @@ class ReferenceLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
-        w = self.weight()
+        w = self.weight().to(x.device)  # uncached: decoded where the compact tensors live
         if self.activation_quant is not None:
             if self.activations_in is not None:
                 x = x.to(self.activations_in).to(self.dtype)

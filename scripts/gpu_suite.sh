@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# On a GPU machine: the kernel op suite (gpu-marked and CPU tests of the kernel test files), then the
-# kernel benchmarks, all on the project built as a wheel from this checkout and installed (no dependencies)
-# into a temporary directory. Logs and JSON go to $OUT when set (else benchmarks/results).
+# On a GPU machine: the kernel op suite (gpu-marked and CPU tests of the kernel test files), the kernel
+# benchmarks, then the kernels candidate's parity on CUDA (scripts/gpu_parity.sh), all on the project built as a
+# wheel from this checkout and installed (no dependencies) into a temporary directory. Logs and JSON go to $OUT
+# when set (else benchmarks/results).
 #   bash scripts/gpu_suite.sh [--quick] [--sweep]     (extra arguments go to benchmarks/kernels.py)
 # PARITY_GPU_TESTS: test files (default: the kernel files and the kernel choice); PARITY_GPU_K: a pytest -k expression.
 set -uo pipefail
@@ -32,20 +33,7 @@ print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else 
 EOF
 
 # Build the CUDA extensions side by side first (each is one nvcc run), so the tests find them ready.
-"$py" - <<'EOF' 2>&1 | tee "$out/build.log"
-import concurrent.futures, importlib, importlib.util, time
-def build(name):
-    t = time.time()
-    mod = importlib.import_module(name)
-    if not mod.available():
-        return f"{name}: no nvcc or GPU"
-    mod.extension()
-    return f"{name}: built in {time.time() - t:.0f} s"
-names = [n for n in ("vllm_parity.serving.ternary_cuda", "vllm_parity.serving.int8x_cuda") if importlib.util.find_spec(n)]
-with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
-    for line in pool.map(build, names):
-        print(line, flush=True)
-EOF
+"$py" scripts/build_cuda.py 2>&1 | tee "$out/build.log"
 
 tests=()
 for f in ${PARITY_GPU_TESTS:-tests/test_ternary_kernels.py tests/test_int8x_kernels.py tests/test_int8x_native.py tests/test_choose.py}; do
@@ -58,5 +46,12 @@ test_rc=${PIPESTATUS[0]}
 "$py" benchmarks/kernels.py --out "$out/kernels_h200.json" "$@" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
 
-echo "kernel tests exit $test_rc, benchmarks exit $bench_rc"
-[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+# The kernels candidate's parity on CUDA, prefill and decode steps (PARITY_GPU_PARITY=0 skips it).
+parity_rc=0
+if [ "${PARITY_GPU_PARITY:-1}" != 0 ]; then
+    OUT="$out" PYTHON="$py" bash scripts/gpu_parity.sh
+    parity_rc=$?
+fi
+
+echo "kernel tests exit $test_rc, benchmarks exit $bench_rc, parity exit $parity_rc"
+[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$parity_rc" -eq 0 ]

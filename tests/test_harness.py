@@ -1,6 +1,7 @@
 """The harness end to end on the CPU: the real vLLM engine against the fp32 reference."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -40,8 +41,11 @@ def test_embedded_default_passes_every_level(pytester):
     decode = [t for t in rep["taps"] if t.get("phase") == "decode"]
     assert rep["run"]["decode_steps"] == 2 and len(decode) == 2 * 51 and {t["step"] for t in decode} == {0, 1}
     assert all(t["verdict"] and t["role"] == "pass" for t in decode) and 'id="plot-steps"' in page
-    result.stdout.fnmatch_lines(["parity: engine start (vLLM, tensor parallel 1)", "parity: reference decode *",
+    result.stdout.fnmatch_lines(["parity: engine start (vLLM, tensor parallel 1)",
+                                 "parity: reference capture (4 prompts, 2 decode steps in one forward)",
                                  "parity: compare */* taps (*s)"])
+    counted = [(int(i), int(n)) for i, n in re.findall(r"parity: compare (\d+)/(\d+) taps", result.stdout.str())]
+    assert counted and all(i <= n for i, n in counted) and counted[-1][0] == counted[-1][1], counted[-3:]
     result.stdout.fnmatch_lines(["*no divergence over 51 taps, each at the prefill and 2 decode step(s)*"])
     assert not (pytester.path / "snap").exists()
 
@@ -59,7 +63,28 @@ def test_golden_gate_on_the_embedded_default(pytester):
     rep = _report(pytester)
     assert rep["run"]["against"] == "golden" and rep["run"]["unused_golden_taps"] == []
     assert "reference_s" not in rep["run"]["timings"]
-    assert rep["run"]["decode_steps"] == 0 and "golden" in rep["run"]["decode_skipped"]
+    # its decode steps ran the reference's own greedy tokens, and the engine was made to run them
+    decode = [t for t in rep["taps"] if t.get("phase") == "decode"]
+    assert rep["run"]["decode_steps"] == 2 and "decode_skipped" not in rep["run"]
+    assert len(decode) == 2 * 51 and all(t["verdict"] and t["role"] == "pass" for t in decode)
+
+
+def test_a_golden_without_decode_steps_says_so(pytester, tmp_path):
+    """A golden written before it held decode steps still gates the prefill, and the run says why it compared
+    no decode step."""
+    import json
+    from pathlib import Path
+
+    golden = Path(__file__).resolve().parents[1] / "references" / "golden" / "default"
+    dest = pytester.path / "references" / "golden" / "default"
+    shutil.copytree(golden, dest, ignore=shutil.ignore_patterns("decode*"))
+    manifest = json.loads((dest / "manifest.json").read_text())
+    del manifest["decode"]
+    (dest / "manifest.json").write_text(json.dumps(manifest))
+    result = _run(pytester, "--parity-level=block", "--parity-against=golden")
+    result.assert_outcomes(passed=1 + 44 + 4)
+    rep = _report(pytester)
+    assert rep["run"]["decode_steps"] == 0 and "holds no decode steps" in rep["run"]["decode_skipped"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: per-head norms, sharded by head as q and k are
@@ -202,6 +227,10 @@ def test_golden_round_trip_and_gate(pytester, monkeypatch, tmp_path):
     for tap in src.taps():
         extended.write(tap, {f"{tap}@{p}": src.get(tap, p) for p in src.prompts(tap)})
     extended.write("stale", {"layers.7.output@0": torch.zeros(2, 128)})
+    from vllm_parity.harness.dumps import step_dir
+
+    for s in range(src.manifest["decode"]["steps"]):  # the decode steps go along (a dump keeps them beside it)
+        shutil.copytree(golden / f"decode{s}", step_dir(tmp_path / "extended", s))
     write_golden(DumpReader(extended.close()), golden, extras=src.manifest.get("golden", {}).get("extras"))
     # a clean run passes against it without building the fp32 reference
     result = _run(pytester, *args)

@@ -37,3 +37,20 @@ def test_kernel_candidate_serves_int8x_in_the_chosen_layout(tmp_path, monkeypatc
     model = build_kernel_model(Checkpoint(make_fixture("int8x", tmp_path / "m", dims=SMALL)))
     linears = [m for m in model.modules() if isinstance(m, KernelLinear)]
     assert linears and {m.native is not None for m in linears} == {native}
+
+
+def test_a_candidate_that_changes_its_weights_in_place_leaves_the_reference_alone(tmp_path):
+    """The candidate runs first and the reference is built after it: the two must share no tensor, or a candidate
+    writing its own weights would write the truth's too (safetensors hands out views of one mapping per file)."""
+    import torch
+
+    from vllm_parity.harness.session import Options, ParitySession
+
+    s = ParitySession(Options(model=str(make_fixture("seed-article", tmp_path / "m", dims=SMALL)),
+                              candidate="kernels", root=str(tmp_path)))
+    norm = s._kernel_model().model.layers[0].input_layernorm.weight
+    before = norm.detach().clone()
+    with torch.no_grad():
+        norm.mul_(1.5)
+    reference = s._build_reference(torch.float32)
+    torch.testing.assert_close(reference.model.layers[0].input_layernorm.weight.detach(), before, rtol=0, atol=0)

@@ -83,13 +83,14 @@ def test_a_run_shows_its_stages_and_q_hides_them(pytester, tmp_path):
     result = pytester.runpytest_subprocess(*args, f"--junitxml={tmp_path / 'junit.xml'}", "-o", "junit_logging=all")
     result.assert_outcomes(passed=1 + 2 * 11 + 2)
     result.stdout.fnmatch_lines([
+        "parity: candidate capture (kernels, 4 prompts)",  # first: the reference runs over its decode tokens
+        "parity: candidate capture */* layer forwards (*s)",
         "parity: reference build (ternary, 2 layers)",
         "parity: reference build 14/14 projections decoded (*s)",
-        "parity: reference capture (4 prompts)",
-        "parity: reference capture 10/10 layer forwards (*s)",  # a warm-up forward, then 4 prompts, 2 layers each
-        "parity: candidate capture (kernels, 4 prompts)",
+        "parity: reference capture (4 prompts, 2 decode steps in one forward)",
+        "parity: reference capture 2/2 layer forwards (*s)",  # one forward of every prompt, 2 layers
         "parity: candidate isolated capture (kernels, 4 prompts)",
-        "parity: compare (* taps, propagated and isolated)",
+        "parity: compare (* taps, propagated and isolated, at the prefill and 2 decode step(s))",
         "parity: compare */* taps (*s)",
         "parity: diagnose (0 source(s))",
         "parity: write (*report)",

@@ -116,6 +116,17 @@ def test_hf_bitnet_reference_linear_matches_transformers_bitlinear():
         torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
 
 
+def _first_call_differs(layer):
+    """The layer computes otherwise at its first call only (a library's first-call code path); returns its calls."""
+    calls = []
+
+    def hook(mod, args):
+        calls.append(1)
+        if len(calls) == 1:
+            return (args[0] + 1e-3, *args[1:])
+    return calls, layer.register_forward_pre_hook(hook)
+
+
 def test_capture_does_not_depend_on_the_first_forward(fixture_dirs, tmp_path):
     """A process's first forward can take other library code paths (fp32 attention 3e-4 off, one run in
     ten on two threads); the dump must hold what every later forward computes."""
@@ -123,19 +134,37 @@ def test_capture_does_not_depend_on_the_first_forward(fixture_dirs, tmp_path):
 
     model = build_reference_model(fixture_dirs["int8x"])
     prompts = [p[:24] for p in load_prompts()[:2]]
-    calls = []
-
-    def first_call_differs(mod, args, out):
-        calls.append(1)
-        if len(calls) == 1:
-            return (out[0] + 1e-3, *out[1:]) if isinstance(out, tuple) else out + 1e-3
-
-    handle = model.model.layers[0].register_forward_hook(first_call_differs)
+    calls, handle = _first_call_differs(model.model.layers[0])
     dump = capture(model, lookup("llama"), prompts, tmp_path / "dump")
     with torch.no_grad():
         steady = model(torch.tensor([prompts[0]]), use_cache=False, output_hidden_states=True).hidden_states[1]
     handle.remove()
     torch.testing.assert_close(dump.get("layers.0.output", 0), steady[0], rtol=0, atol=0)
+
+
+def test_one_forward_gives_each_prompts_rows_and_its_decode_steps(fixture_dirs, tmp_path):
+    """Every prompt, right-padded, and the tokens after it in one forward: each prompt's rows are what it computes
+    alone, and decode step s's row what transformers' own KV-cache decode computes at that step; the first forward
+    (a warm-up through the first layer) is not what is dumped."""
+    from vllm_parity.harness.reference_side import capture_batch
+
+    model = build_reference_model(fixture_dirs["seed-article"])
+    prompts = [p[:n] for p, n in zip(load_prompts()[:3], (24, 9, 17))]
+    tokens = [[5, 6], [7, 8], [9, 10]]
+    calls, handle = _first_call_differs(model.model.layers[0])
+    dump, steps = capture_batch(model, lookup("llama"), prompts, tmp_path / "dump", tokens=tokens)
+    handle.remove()
+    assert len(calls) == 2 and len(steps) == 2 and dump.manifest["decode"] == {"steps": 2, "tokens": tokens}
+    for p, ids in enumerate(prompts):
+        with torch.no_grad():
+            alone = model(torch.tensor([ids]), use_cache=False, output_hidden_states=True)
+            torch.testing.assert_close(dump.get("layers.0.output", p), alone.hidden_states[1][0])
+            torch.testing.assert_close(dump.get("logits", p), alone.logits[0])
+            out = model(torch.tensor([ids]), use_cache=True)
+            for s, tok in enumerate(tokens[p]):  # decode step s runs tokens[p][s] at position len(ids) + s
+                out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+                torch.testing.assert_close(steps[s].get("logits", p), out.logits[0])
+                assert steps[s].manifest["first_positions"][p] == len(ids) + s
 
 
 @pytest.mark.parametrize("fmt", ["seed-article", "int8x"])

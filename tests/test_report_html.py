@@ -78,6 +78,18 @@ def test_heatmap_keeps_every_prompt_pooled():
     assert [p["prompt"] for p in many["prompts"]] == [0, 1, 2, 3]  # a few prompts: the page stays small
 
 
+def test_a_decode_steps_heatmap_is_drawn_at_the_positions_it_computed():
+    """A decode step's rows sit at len(prompt) + step: the heatmap's rows are labelled with those positions."""
+    from vllm_parity.harness import plots
+
+    cand = torch.zeros(2, 8)
+    cand[1, 3] = 1.0
+    heat = report.heatmap_of("layers.0.attn.q", torch.zeros(2, 8), cand, [(0, 66), (1, 71)])
+    assert [p["first"] for p in heat["prompts"]] == [66, 71]
+    fig = plots.heatmap(heat)
+    assert [list(t.y) for t in fig.data] == [[66], [71]]
+
+
 def test_error_against_layer_plots_each_kind_at_its_primary_error():
     rep = _record()
     fig = plots.error_against_layer(rep)

@@ -83,6 +83,8 @@ def test_the_wheel_is_one_namespace_and_complete(wheel):
     golden = json.loads(zipfile.ZipFile(wheel).read("vllm_parity/reference/golden/default/manifest.json"))
     files = {e["file"] for prompts in golden["taps"].values() for e in prompts.values()}
     assert files and all(f"vllm_parity/reference/golden/default/{f}" in names for f in files)
+    for s in range(golden["decode"]["steps"]):  # the decode steps' dumps, each in its own folder
+        assert f"vllm_parity/reference/golden/default/decode{s}/manifest.json" in names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     for line in ("parity = vllm_parity.tools.cli:main", "parity = vllm_parity.harness.plugin",
                  "vllm_parity = vllm_parity.serving.vllm:register"):

@@ -223,14 +223,18 @@ def attribute_phases(results: list[TapResult], num_layers: int,
     return out
 
 
-def kernel_branches(results: list[TapResult], possible: dict[str, list[str]]) -> dict[str, Any]:
+def kernel_branches(results: list[TapResult], possible: dict[str, list[str]],
+                    why: dict[str, str] | None = None) -> dict[str, Any]:
     """The serving kernels the compared taps were computed by, per phase, and those the methods may choose
-    (``possible``: per tap) that no compared tap ran."""
+    (``possible``: per tap) that no compared tap ran; ``why``: per kernel, why no forward of the run took it (the
+    candidate's ``kernel_untaken``), kept for those not exercised (``why_not``)."""
     ran = {phase: sorted({k for r in results if r.phase == phase for k in r.kernels})
            for phase in ("prefill", "decode")}
     every = {k for r in results for k in r.kernels}
     could = {k for t in {r.name for r in results} for k in possible.get(t, ())}
-    return {"exercised": {p: k for p, k in ran.items() if k}, "not_exercised": sorted(could - every)}
+    out = {"exercised": {p: k for p, k in ran.items() if k}, "not_exercised": sorted(could - every)}
+    reasons = {k: why[k] for k in out["not_exercised"] if why and k in why}
+    return {**out, "why_not": reasons} if reasons else out
 
 
 def first_divergence(results: list[TapResult]) -> TapResult | None:

@@ -80,6 +80,9 @@ class DumpWriter:
         return self.root
 
 
+OPEN_FILES = 2  # files a reader keeps open (a layer's taps share one)
+
+
 class DumpReader:
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -127,9 +130,12 @@ class DumpReader:
 
     def get(self, tap: str, prompt: int) -> torch.Tensor:
         entry = self.entry(tap, prompt)
-        handle = self._handles.get(entry["file"])
+        handle = self._handles.pop(entry["file"], None)
         if handle is None:
-            handle = self._handles[entry["file"]] = safe_open(str(self.root / entry["file"]), framework="pt")
+            handle = safe_open(str(self.root / entry["file"]), framework="pt")
+            while len(self._handles) >= OPEN_FILES:  # an open file stays mapped: a large dump would all be resident
+                self._handles.pop(next(iter(self._handles)))
+        self._handles[entry["file"]] = handle  # the most recent last
         return handle.get_tensor(key(tap, prompt))
 
     def verify(self, tap: str, prompt: int) -> torch.Tensor:

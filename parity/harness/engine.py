@@ -1,6 +1,7 @@
 """Building a vLLM engine for parity runs: deterministic, eager, small, quick to start.
 
-Every prompt runs as one full forward (no prefix caching, no chunked prefill), in fp32 unless asked, eagerly (so
+Every prompt runs as one full forward (no prefix caching, no chunked prefill, unless a run asks for them:
+:func:`engine_features`), in fp32 unless asked, eagerly (so
 forward hooks fire), from token ids (no tokenizer), with an explicitly sized KV cache (vLLM's CPU
 default sizes it from free RAM and takes half a minute to start).
 """
@@ -18,6 +19,7 @@ from vllm_parity.errors import EngineUnsupported
 
 DEFAULT_MAX_MODEL_LEN = 256
 KV_CACHE_GIB = "1"
+ALLOW_PICKLE = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
 
 def engine_env(tensor_parallel_size: int = 1, multiprocessing: bool = False,
@@ -26,6 +28,7 @@ def engine_env(tensor_parallel_size: int = 1, multiprocessing: bool = False,
     ``kv_cache_bytes``, passed to the engine instead), CPU thread binding for TP."""
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
+
         # vLLM's CPU platform lets this variable override kv_cache_memory_bytes: None unsets it
         "VLLM_CPU_KVCACHE_SPACE": None if kv_cache_bytes else os.environ.get("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB),
     }
@@ -61,6 +64,10 @@ def make_llm(model: str | Path, *, tensor_parallel_size: int = 1, multiprocessin
              kv_cache_bytes: int | None = None, **llm_kwargs: Any):
     """A ``vllm.LLM`` for ``model`` with the parity settings; ``llm_kwargs`` override any of them."""
     env = engine_env(tensor_parallel_size, multiprocessing, kv_cache_bytes)
+    if multiprocessing:
+        # The harness's hooks are functions sent to the workers (collective_rpc); the multiprocess engine sends
+        # them only with pickle allowed, read at every call: allowed for the rest of the process.
+        os.environ[ALLOW_PICKLE] = "1"
     with patched_environ(env):
         import vllm.envs as envs
         from vllm import LLM
@@ -85,7 +92,9 @@ def make_llm(model: str | Path, *, tensor_parallel_size: int = 1, multiprocessin
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         kwargs.update(llm_kwargs)
         try:
-            return LLM(**kwargs)
+            llm = LLM(**kwargs)
+            _trim_heap()
+            return llm
         except BaseException:
             # A failed start leaves the distributed state of an in-process engine behind.
             _cleanup()
@@ -162,17 +171,58 @@ def kv_cache_bytes(config: Mapping[str, Any], tokens: int) -> int:
     return max(64 << 20, 2 * per_token * tokens)
 
 
+PREFIX_BLOCK = 32  # the KV block size with prefix caching on: the smallest the CPU backend prefers
+CPU_BLOCK = 128  # vLLM's CPU default KV block size
+
+
+def engine_features(prefix_caching: bool = False, chunked_prefill: int = 0) -> dict[str, Any]:
+    """The engine settings of optional features: prefix caching (in blocks of PREFIX_BLOCK tokens, so that prompts
+    of a few dozen tokens share cached blocks: the CPU default is 128) and chunked prefill (``chunked_prefill``
+    tokens a step at most, so that longer prompts are split); none for neither."""
+    if chunked_prefill < 0:
+        raise ValueError(f"chunked prefill of {chunked_prefill} tokens a step: a count of tokens, 0 (off) or more")
+    out: dict[str, Any] = {}
+    if prefix_caching:
+        out.update(enable_prefix_caching=True, block_size=PREFIX_BLOCK)
+    if chunked_prefill:
+        out.update(enable_chunked_prefill=True, max_num_batched_tokens=chunked_prefill)
+    return out
+
+
 def make_run_llm(model: str | Path, config: Mapping[str, Any], prompts: list[list[int]], new_tokens: int, *,
-                 tensor_parallel_size: int = 1, compiled: bool = False, dtype: str = "float32"):
-    """The engine of a parity run: every prompt at once, with room for ``new_tokens`` generated tokens."""
+                 tensor_parallel_size: int = 1, compiled: bool = False, dtype: str = "float32",
+                 prefix_caching: bool = False, chunked_prefill: int = 0):
+    """The engine of a parity run: every prompt at once, with room for ``new_tokens`` generated tokens;
+    ``prefix_caching`` / ``chunked_prefill``: :func:`engine_features`."""
     refused = aborts(config, f"this checkpoint ({model})", dtype)
     if refused is not None:
         raise refused
     max_len = max(DEFAULT_MAX_MODEL_LEN, max(len(p) for p in prompts) + new_tokens + 8)
     seqs = max(4, len(prompts))
+    features = engine_features(prefix_caching, chunked_prefill)
+    if chunked_prefill and chunked_prefill < seqs:
+        raise ValueError(f"chunked prefill of {chunked_prefill} tokens a step: vLLM needs at least one a sequence "
+                         f"({seqs} here)")
+    # Room for what the run holds at once: every prompt and its new tokens in whole KV blocks (with prefix caching
+    # the warming pass's blocks stay cached beside the recorded pass's), and one request of max_model_len, which
+    # vLLM checks at start. Sized to the max_model_len of every sequence, a 7B model's cache took 2 GiB.
+    block = PREFIX_BLOCK if prefix_caching else CPU_BLOCK
+    held = sum(-(-(len(p) + new_tokens) // block) * block for p in prompts) * (2 if prefix_caching else 1)
+    room = max(max_len, held)
     return make_llm(model, max_model_len=max_len, max_num_seqs=seqs,
-                    kv_cache_bytes=kv_cache_bytes(config, max_len * seqs), tensor_parallel_size=tensor_parallel_size,
-                    enforce_eager=not compiled, dtype=dtype)
+                    kv_cache_bytes=kv_cache_bytes(config, room), tensor_parallel_size=tensor_parallel_size,
+                    enforce_eager=not compiled, dtype=dtype, **features)
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free pages back: loading repacks every weight through temporaries that glibc keeps."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def close_llm(llm) -> None:

@@ -100,6 +100,11 @@ class GoldenReader(DumpReader):
         self.read.add(tap)
         return t
 
+    def steps(self) -> list["GoldenReader"]:
+        """The golden's decode steps, each kept inside it (``decode<s>``)."""
+        return [GoldenReader(self.root / f"decode{s}")
+                for s in range(int(self.manifest.get("decode", {}).get("steps", 0)))]
+
     def verify_all(self) -> None:
         """Hash every tensor now (raises GoldenCorrupt on the first mismatch); not counted as read."""
         read = set(self.read)
@@ -135,8 +140,16 @@ def load_golden(dest: Path, model_sha256: str, prompts_sha256: str) -> DumpReade
     if diffs:
         raise GoldenMismatch(f"{dest}: golden was made for another input: {'; '.join(diffs)}; regenerate it "
                              f"with --parity-update-golden if the change is intended")
-    _check_structure(reader)
+    for r in [reader, *_steps_of(reader, dest)]:
+        _check_structure(r)
     return reader
+
+
+def _steps_of(reader: GoldenReader, dest: Path) -> list[GoldenReader]:
+    try:
+        return reader.steps()
+    except (OSError, ValueError) as exc:
+        raise GoldenCorrupt(f"{dest}: a decode step's manifest is unusable: {exc}") from None
 
 
 def _check_structure(reader: DumpReader) -> None:
@@ -174,7 +187,9 @@ def _dtype_name(st: str) -> str:
 
 def write_golden(src: DumpReader, dest: Path, taps: Iterable[str] | None = None,
                  extras: dict | None = None) -> Path:
-    """Copy the reference dump ``src`` (all its taps, or only ``taps``) to ``dest`` and return it.
+    """Copy the reference dump ``src`` (all its taps, or only ``taps``) to ``dest`` and return it, with its
+    decode steps (``src.steps()``: the manifest's ``decode`` names them and the tokens they ran) in
+    ``dest/decode<s>``.
 
     ``extras`` (JSON data, e.g. the reference's greedy continuation, which no tap holds) is kept in
     the manifest under ``golden.extras``; :func:`extras_of` reads it back.
@@ -200,16 +215,11 @@ def write_golden(src: DumpReader, dest: Path, taps: Iterable[str] | None = None,
     try:
         meta["golden"] = {"written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                           "extras": extras or {}}
-        w = DumpWriter(tmp, meta)
-        for tap in names:
-            tensors = {}
-            for p in src.prompts(tap):
-                try:
-                    tensors[key(tap, p)] = src.verify(tap, p)
-                except (ValueError, SafetensorError) as exc:
-                    raise GoldenCorrupt(f"{src.root}: not copied to {dest}: {exc}") from None
-            w.write(tap, tensors)
-        w.close()
+        _copy(src, names, DumpWriter(tmp, meta), dest)
+        for s, step in enumerate(src.steps()):
+            step_meta = {k: v for k, v in step.manifest.items() if k not in ("schema", "taps")}
+            _copy(step, [t for t in names if t in step.manifest["taps"]], DumpWriter(tmp / f"decode{s}", step_meta),
+                  dest)
         old = None
         if dest.exists():
             old = dest.parent / f"{_OLD}{dest.name}-{os.getpid()}"
@@ -226,6 +236,18 @@ def write_golden(src: DumpReader, dest: Path, taps: Iterable[str] | None = None,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _copy(src: DumpReader, names: list[str], w: DumpWriter, dest: Path) -> None:
+    for tap in names:
+        tensors = {}
+        for p in src.prompts(tap):
+            try:
+                tensors[key(tap, p)] = src.verify(tap, p)
+            except (ValueError, SafetensorError) as exc:
+                raise GoldenCorrupt(f"{src.root}: not copied to {dest}: {exc}") from None
+        w.write(tap, tensors)
+    w.close()
 
 
 def unused_taps(golden: DumpReader, read: set[str]) -> list[str]:

@@ -195,7 +195,7 @@ def heatmap(heat: dict[str, Any] | None) -> go.Figure | None:
         cells = p["cells"]
         fig.add_trace(go.Heatmap(
             z=cells, x=[j * col_step for j in range(len(cells[0]) if cells else 0)],
-            y=[j * p["row_step"] for j in range(len(cells))], zmin=0, zmax=top, colorscale="Reds",
+            y=[p.get("first", 0) + j * p["row_step"] for j in range(len(cells))], zmin=0, zmax=top, colorscale="Reds",
             visible=i == shown, name="rows" if p["prompt"] is None else f"prompt {p['prompt']}",
             colorbar={"title": {"text": "|cand − ref|"}},
             hovertemplate="position %{y}, feature %{x}: %{z:.3g}<extra></extra>"))

@@ -16,7 +16,7 @@ import pytest
 from vllm_parity.errors import ParityInputError
 from vllm_parity.harness import progress, summary
 from vllm_parity.harness.items import MODEL_CHECKS, ParityCollector, ParityItem
-from vllm_parity.harness.session import CANDIDATES, LEVELS, MODES, SERVING_DTYPES, Finished, Options, ParitySession
+from vllm_parity.harness.session import CANDIDATES, DEVICES, LEVELS, MODES, SERVING_DTYPES, Finished, Options, ParitySession
 from vllm_parity.harness.taps import level_of
 
 # Every option once: (flag, the Options field it sets, or None for the plugin's own; addoption's arguments).
@@ -34,6 +34,10 @@ OPTIONS: tuple[tuple[str, str | None, dict], ...] = (
     ("--parity-dtype", "dtype", dict(
         choices=SERVING_DTYPES, default="float32",
         help="the candidate's dtype, as it is served (the reference stays fp32); the default tolerances follow it")),
+    ("--parity-device", "device", dict(
+        choices=DEVICES, default="cpu",
+        help="where the reference and the kernels candidate run (cuda: a GPU; the vLLM candidate runs where its "
+             "engine runs)")),
     ("--parity-mode", "mode", dict(
         choices=MODES, default="auto",
         help="propagated: both sides run free from the same token ids; isolated: besides, every candidate layer "
@@ -83,6 +87,14 @@ OPTIONS: tuple[tuple[str, str | None, dict], ...] = (
         type=int, default=2, metavar="N",
         help="greedy decode steps after each prompt's prefill whose taps are compared too, against the reference "
              "over the prompt and the tokens the candidate generated (default 2; 0: the prefill only)")),
+    ("--parity-prefix-caching", "prefix_caching", dict(
+        action="store_true",
+        help="start the engine with prefix caching on (32-token blocks): each prompt's prefill runs once to fill "
+             "the cache, then again, its taps computed only after the cached blocks (the rest from the first run)")),
+    ("--parity-chunked-prefill", "chunked_prefill", dict(
+        type=int, default=0, metavar="TOKENS",
+        help="start the engine with chunked prefill on, at most TOKENS tokens a step: longer prefills run in "
+             "chunks, assembled per prompt (default 0: off)")),
     ("--parity-greedy-tokens", "greedy_tokens", dict(
         type=int, default=8, metavar="N", help="tokens of greedy continuation compared at the model level")),
 )

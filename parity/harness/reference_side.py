@@ -20,10 +20,7 @@ def capture(model: nn.Module, arch: Architecture, prompts: list[list[int]], out:
     writer = DumpWriter(out, meta)
     num_layers = model.config.num_hidden_layers
     if prompts:
-        # A process's first forward can take other library code paths: on two CPU threads, about one run
-        # in ten computed fp32 attention 3e-4 off its fp64 value for prompt 0 only. Discard one forward.
-        with torch.no_grad():
-            model(torch.tensor([prompts[0]], dtype=torch.long), use_cache=False)
+        _warm_up(model, torch.tensor([prompts[0]], dtype=torch.long))
     current = {"prompt": 0}
     feeds = []
     if isolate_from is not None:
@@ -53,34 +50,87 @@ def capture(model: nn.Module, arch: Architecture, prompts: list[list[int]], out:
     return DumpReader(writer.close())
 
 
-def capture_decode(model: nn.Module, arch: Architecture, prompts: list[list[int]], tokens: list[list[int]],
-                   out: str | Path, meta: dict | None = None,
-                   wanted: Callable[[str], bool] | None = None) -> list[DumpReader]:
-    """The reference at a candidate's decode steps: one forward per prompt over the prompt and the tokens the
-    candidate ran at its decode steps (``tokens[p][s]`` at step s; its own, so the comparison holds when they
-    differ from the reference's greedy ones); step s's rows (position ``len(prompt) + s``) go to
-    ``dumps.step_dir(out, s)``. A causal model's rows there are what a KV cache would give."""
+def capture_batch(model: nn.Module, arch: Architecture, prompts: list[list[int]], out: str | Path,
+                  meta: dict | None = None, wanted: Callable[[str], bool] | None = None,
+                  tokens: list[list[int]] | None = None) -> tuple[DumpReader, list[DumpReader]]:
+    """Every prompt in one forward, and with ``tokens`` the decode steps in the same one: prompt p is followed by
+    ``tokens[p]``, the tokens a candidate ran at its decode steps (``tokens[p][s]`` at step s; its own, so the
+    comparison holds where they differ from the reference's greedy ones). A causal model's row at position
+    ``len(prompt) + s`` is what decode step s computes from a KV cache; rows ``0..len(prompt)-1`` are the
+    prefill's. Step s's rows go to ``dumps.step_dir(out, s)``.
+
+    One forward decodes each projection's weight once, however many prompts and steps: a large model's
+    reference decodes per forward. The prompts are right-padded and no mask is given: under the causal mask no
+    real row sees a padded one, and every position is its own (no position ids to shift)."""
     steps = len(tokens[0]) if tokens else 0
+    if tokens is not None and (len(tokens) != len(prompts) or any(len(t) != steps for t in tokens)):
+        raise ValueError(f"decode tokens for {len(tokens)} prompts of {[len(t) for t in tokens][:5]} steps; "
+                         f"expected {len(prompts)} prompts of {steps} steps each")
+    seqs = [list(ids) + list(tokens[p] if tokens else ()) for p, ids in enumerate(prompts)]
+    width = max(len(s) for s in seqs)
+    device = next(model.parameters()).device
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    for p, s in enumerate(seqs):
+        ids[p, :len(s)] = torch.tensor(s, dtype=torch.long)
+    ids = ids.to(device)
+    writer = DumpWriter(out, {**(meta or {}), **({"decode": {"steps": steps, "tokens": tokens}} if steps else {})})
     writers = [DumpWriter(step_dir(out, s), {**(meta or {}), "decode_step": s,
-                                             "first_positions": [len(ids) + s for ids in prompts]})
+                                             "first_positions": [len(p) + s for p in prompts]})
                for s in range(steps)]
-    rec = Recorder(model, arch.taps, model.config.num_hidden_layers, writers[0] if writers else None,
-                   wanted=wanted, step_writer=lambda s: writers[s]).install()
+    _warm_up(model, ids)
+    rec = Recorder(model, arch.taps, model.config.num_hidden_layers, writer, wanted=wanted,
+                   step_writer=lambda s: writers[s]).install()
+
+    def rows(t: torch.Tensor) -> dict:
+        t = t.reshape(len(seqs), width, -1) if t.dim() == 2 else t  # (tokens of every prompt, features)
+        out = {}
+        for p, prompt in enumerate(prompts):
+            n = len(prompt)
+            out[p] = t[p, :n]
+            out.update({(s, p): t[p, n + s: n + s + 1] for s in range(steps)})
+        return out
+    rec.rows = rows
     try:
-        for p, (ids, new) in enumerate(zip(prompts, tokens)):
-            n = len(ids)
-            rec.rows = lambda t, p=p, n=n: {(s, p): (t[0] if t.dim() == 3 else t)[n + s: n + s + 1]
-                                            for s in range(steps)}
-            with torch.no_grad():
-                model(torch.tensor([list(ids) + list(new)], dtype=torch.long), use_cache=False)
-            rec.flush()
+        with torch.no_grad():
+            model(ids, use_cache=False)
+        rec.flush()
     finally:
         rec.remove()
-    out = []
-    for w in writers:
+    missing = rec.missing()
+    if missing:
+        raise RuntimeError(f"taps never fired on the reference: {missing[:5]}")
+    readers = []
+    for w in [writer, *writers]:
         w.meta.setdefault("side", "reference")
-        out.append(DumpReader(w.close()))
-    return out
+        readers.append(DumpReader(w.close()))
+    return readers[0], readers[1:]
+
+
+class _Stop(Exception):
+    pass
+
+
+def _warm_up(model: nn.Module, ids: torch.Tensor) -> None:
+    """A process's first forward can take other library code paths: on two CPU threads, about one run in ten
+    computed fp32 attention 3e-4 off its fp64 value for prompt 0 only. The embedding and the first decoder layer
+    run once on the same input, discarded: every later layer takes the same shapes, and the rest of the model
+    would cost a whole weight decode for nothing."""
+    layers = list(getattr(getattr(model, "model", None), "layers", []))
+    if not layers:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+        return
+
+    def stop(mod, args, out):
+        raise _Stop
+    handle = layers[0].register_forward_hook(stop, prepend=True)  # before any step counter's hook
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
 
 
 def _feed_projections(model: nn.Module, arch: Architecture, num_layers: int, ref: DumpReader, current: dict) -> list:

@@ -77,17 +77,18 @@ def heatmap_of(name: str, ref: torch.Tensor, cand: torch.Tensor, rows: list[tupl
     d = (cand.double() - ref.double()).abs()
     d = torch.nan_to_num(d, nan=math.inf).reshape(-1, d.shape[-1]) if d.dim() > 1 else d.reshape(1, -1)
     if rows is None:
-        blocks = [(None, d)]
+        blocks = [(None, d, 0)]
     else:
         of = torch.tensor([p for p, _ in rows])
-        blocks = [(p, d[of == p]) for p in list(dict.fromkeys(p for p, _ in rows))[:max_prompts]]
+        blocks = [(p, d[of == p], min(i for q, i in rows if q == p))  # a decode step's row is at len(prompt) + s
+                  for p in list(dict.fromkeys(p for p, _ in rows))[:max_prompts]]
     cols = d.shape[1]
     cs = max(1, math.ceil(cols / max_cols))
     prompts = []
-    for p, block in blocks:
+    for p, block, first in blocks:
         rs = max(1, math.ceil(block.shape[0] / max_rows))
         pooled = torch.nn.functional.max_pool2d(block[None, None].clamp(max=1e30), (rs, cs), ceil_mode=True)[0, 0]
-        prompts.append({"prompt": p, "positions": block.shape[0], "row_step": rs,
+        prompts.append({"prompt": p, "positions": block.shape[0], "first": first, "row_step": rs,
                         "cells": [[float(f"{v:.4g}") for v in r] for r in pooled.tolist()]})
     return {"tap": name, "features": cols, "col_step": cs, "prompts": prompts}
 
@@ -110,7 +111,9 @@ def describe_branches(branches: dict[str, Any] | None) -> str:
     if not branches or not branches.get("exercised"):
         return ""
     ran = "; ".join(f"{phase}: {', '.join(k)}" for phase, k in branches["exercised"].items())
-    return f"exercised {ran}; not exercised: {', '.join(branches['not_exercised']) or 'none'}"
+    why = branches.get("why_not", {})
+    untaken = ", ".join(f"{k} ({why[k]})" if k in why else k for k in branches["not_exercised"])
+    return f"exercised {ran}; not exercised: {untaken or 'none'}"
 
 
 def fmt(v: Any, none: str = "—", spec: str = ".3g") -> str:

@@ -36,6 +36,7 @@ LEVELS = ("op", "block", "model")
 CANDIDATES = ("vllm", "kernels")
 SERVING_DTYPES = ("float32", "bfloat16", "float16")
 MODES = ("auto", "propagated", "isolated")
+DEVICES = ("cpu", "cuda")
 CACHE_DECODED_BYTES = 1 << 30
 
 
@@ -48,6 +49,7 @@ class Options:
     taps: str | None = None
     candidate: str = "vllm"
     dtype: str = "float32"  # the candidate's serving dtype; the reference stays fp32 (fp64 calibrating)
+    device: str = "cpu"  # where the reference and the kernels candidate run
     tolerances: ToleranceTable = field(default_factory=ToleranceTable)
     dump_dir: str | None = None
     report_dir: str | None = None
@@ -56,6 +58,8 @@ class Options:
     snapshot_max_gb: float = 2.0
     tensor_parallel_size: int = 1
     compiled: bool = False  # the engine's compiled graph: no module hooks, model-level checks only
+    prefix_caching: bool = False  # the engine's prefix caching on (vllm_side.capture: a warming pass first)
+    chunked_prefill: int = 0  # > 0: the engine's chunked prefill on, at most this many tokens a step
     calibrate: str | None = None  # write measured tolerances to this TOML file and use them
     against: str = "live"  # or "golden": the committed reference dumps, no fp32 reference built
     update_golden: bool = False
@@ -110,7 +114,6 @@ class ParitySession:
         self._golden_error: Exception | None = None
         self._reference_tokens: list[list[int]] | None = None
         self._reference_logits: list[list[torch.Tensor]] | None = None  # at each greedy step
-        self._reference_model = None  # kept from the prefill's capture for the decode steps' one
 
     # -- what runs ------------------------------------------------------------------------------
 
@@ -126,9 +129,13 @@ class ParitySession:
 
     @property
     def decode_steps(self) -> int:
-        """The decode steps compared: none where the taps are not hooked, where the candidate has no KV cache (the
-        kernels candidate runs full forwards), or where no live reference runs (a golden holds the prefill's)."""
-        return 0 if self.why_no_decode() else self.opts.decode_steps
+        """The decode steps compared: none where the taps are not hooked or where no live reference runs (a golden
+        holds the prefill's)."""
+        if self.why_no_decode():
+            return 0
+        if self._golden is not None:  # as many as the golden holds
+            return min(self.opts.decode_steps, int(self._golden.manifest.get("decode", {}).get("steps", 0)))
+        return self.opts.decode_steps
 
     def why_no_decode(self) -> str | None:
         if self.opts.decode_steps < 0:
@@ -137,10 +144,9 @@ class ParitySession:
             return None
         if self.opts.compiled:
             return "the compiled engine runs no hooks"
-        if self.opts.candidate != "vllm":
-            return f"the {self.opts.candidate} candidate has no KV cache"
-        if self.opts.against == "golden" and not self.opts.update_golden:
-            return "a golden reference holds the prefill only"
+        if self._golden is not None and not self._golden.manifest.get("decode", {}).get("steps"):
+            return f"the golden reference {self._golden.root} holds no decode steps (regenerate it with " \
+                   f"--parity-update-golden)"
         return None
 
     @functools.cached_property
@@ -237,11 +243,17 @@ class ParitySession:
         return self._capture
 
     def _make_capture(self) -> Capture:
-        reference = self.acquire_reference()
         if self.opts.compiled:
-            return Capture(reference, seconds=dict(self._seconds))
-        candidate = self.candidate_dump()
-        references = self.reference_steps(candidate)
+            return Capture(self.acquire_reference()[0], seconds=dict(self._seconds))
+        if self.opts.against == "golden" or self.opts.update_golden:
+            # A golden's decode steps ran the reference's own greedy tokens: the candidate is made to run them.
+            reference, references = self.acquire_reference()
+            candidate = self.candidate_dump(forced=reference.manifest.get("decode", {}).get("tokens"))
+        else:
+            # The candidate first: the reference then runs once over each prompt and the tokens the candidate's
+            # decode steps ran, and no reference model is alive while the engine runs.
+            candidate = self.candidate_dump()
+            reference, references = self.acquire_reference(candidate.manifest.get("decode", {}).get("tokens"))
         if self.opts.calibrate:
             self._calibration = self.calibrate(reference, candidate)
         isolated = None
@@ -251,26 +263,6 @@ class ParitySession:
         isolated_steps = isolated.steps() if isolated is not None else [None] * len(references)
         steps = tuple(Capture(r, c, i) for r, c, i in zip(references, candidate.steps(), isolated_steps))
         return Capture(reference, candidate, isolated, dict(self._seconds), steps)  # the record keeps its own copy
-
-    def reference_steps(self, candidate: DumpReader) -> list[DumpReader]:
-        """The reference at the candidate's decode steps: over each prompt and the tokens the candidate ran."""
-        tokens = candidate.manifest.get("decode", {}).get("tokens")
-        if not tokens:
-            return []
-        from vllm_parity.harness import reference_side
-
-        t0 = time.perf_counter()
-        model, self._reference_model = self._reference_model, None
-        if model is None:
-            model = self._build_reference(torch.float32)
-        self.progress.stage("reference decode", f"{len(tokens[0])} steps after each of {len(self.prompts)} prompts")
-        with self.progress.layers(_decoder_layers(model), len(self.prompts)):
-            steps = reference_side.capture_decode(model, self.arch, self.prompts, tokens,
-                                                  self.dump_root() / "reference",
-                                                  {**self.meta("reference"), "dtype": "float32"}, wanted=self.wanted)
-        del model
-        self._seconds["reference_decode_s"] = time.perf_counter() - t0
-        return steps
 
     def _remembered(self, stage):
         """A stage's record; an error is kept and raised again for every item that needs it."""
@@ -284,33 +276,37 @@ class ParitySession:
     def reference_dump(self, variant: str | None = None) -> DumpReader:
         """The fp32 reference's dump; ``variant`` (calibration) is one of ``vllm_parity.harness.calibrate.VARIANTS``
         or ``SERVING_VARIANTS``: the same model in another precision, attention implementation or summation order."""
+        return self._reference(variant)[0]
+
+    def _reference(self, variant: str | None = None, tokens: list[list[int]] | None = None,
+                   own_steps: int = 0) -> tuple[DumpReader, list[DumpReader]]:
+        """The reference's dump, and with ``tokens`` (each prompt's decode-step tokens) each decode step's, all
+        from one forward; ``own_steps``: that many decode steps over its own greedy tokens (a golden's)."""
         from vllm_parity.harness import calibrate, reference_side
 
         t0 = time.perf_counter()
         dtype = torch.float64 if variant == "fp64" else getattr(torch, variant) \
             if variant in calibrate.SERVING_VARIANTS else torch.float32
-        # Decoded fp32 weights of a large model would dominate memory: decode them per forward instead.
         name = "reference" if variant is None else f"reference-{variant}"
         model = self._build_reference(dtype, name, "sdpa" if variant == "sdpa" else "eager")
         order = calibrate.reversed_summation() if variant == "reversed" else contextlib.nullcontext()
-        self.progress.stage(f"{name} capture", f"{len(self.prompts)} prompts")
-        with order, self.progress.layers(_decoder_layers(model), 1 + len(self.prompts)):  # a warm-up forward first
-            dump = reference_side.capture(model, self.arch, self.prompts, self.dump_root() / name,
-                                          {**self.meta("reference"), "dtype": str(dtype).removeprefix("torch."),
-                                           **({"variant": variant} if variant else {})},
-                                          wanted=self.wanted)
         if variant is None and self.opts.level == "model":
-            n = self.opts.greedy_tokens
+            n = max(self.opts.greedy_tokens, own_steps)
             self.progress.stage("reference greedy", f"{n} tokens after each of {len(self.prompts)} prompts")
-            with self.progress.layers(_decoder_layers(model), n * len(self.prompts)):
-                greedy = [_greedy(model, ids, n) for ids in self.prompts]
-            self._reference_tokens = [tokens for tokens, _ in greedy]
-            self._reference_logits = [steps for _, steps in greedy]
-        if variant is None and self.decode_steps:
-            self._reference_model = model  # the decode steps' reference runs after the candidate's
+            with self.progress.layers(_decoder_layers(model), n):
+                self._reference_tokens, self._reference_logits = _greedy_batch(model, self.prompts, n)
+        if own_steps:
+            tokens = [t[:own_steps] for t in self.reference_greedy(own_steps)]
+        steps = f", {len(tokens[0])} decode steps" if tokens else ""
+        self.progress.stage(f"{name} capture", f"{len(self.prompts)} prompts{steps} in one forward")
+        with order, self.progress.layers(_decoder_layers(model), 1):
+            dump, decoded = reference_side.capture_batch(
+                model, self.arch, self.prompts, self.dump_root() / name,
+                {**self.meta("reference"), "dtype": str(dtype).removeprefix("torch."),
+                 **({"variant": variant} if variant else {})}, wanted=self.wanted, tokens=tokens)
         del model  # the dump holds what later checks read: free the weights
         self._seconds[f"{name.replace('-', '_')}_s"] = time.perf_counter() - t0
-        return dump
+        return dump, decoded
 
     def _build_reference(self, dtype: torch.dtype, name: str = "reference", attention: str = "eager"):
         from vllm_parity.reference.model import build_reference_model
@@ -320,9 +316,10 @@ class ParitySession:
         self.progress.stage(f"{name} build", f"{self.format}, {self.num_layers} layers")
         served = getattr(torch, self.opts.dtype)
         rounded = served if name == "reference" and served != torch.float32 else None  # what quantizers take
-        return build_reference_model(self.ckpt, dtype=dtype, cache=decoded <= CACHE_DECODED_BYTES,
-                                     attn_implementation=attention, activations_in=rounded,
-                                     on_decoded=lambda i, n, _: self.progress.step(i, n, "projections decoded"))
+        model = build_reference_model(self.ckpt, dtype=dtype, cache=decoded <= CACHE_DECODED_BYTES,
+                                      attn_implementation=attention, activations_in=rounded,
+                                      on_decoded=lambda i, n, _: self.progress.step(i, n, "projections decoded"))
+        return model if self.opts.device == "cpu" else model.to(self.opts.device)
 
     def calibrate(self, reference: DumpReader, candidate: DumpReader) -> tuple[ToleranceTable, dict[str, Any]]:
         """Every tap's spread between correct implementations, and the tolerance table made from it (written
@@ -351,7 +348,9 @@ class ParitySession:
                 self._llm = make_run_llm(self.model_dir, self.ckpt.config, self.prompts,
                                          max(self.opts.greedy_tokens, 1 + self.decode_steps),
                                          tensor_parallel_size=self.opts.tensor_parallel_size,
-                                         compiled=self.opts.compiled, dtype=self.opts.dtype)
+                                         compiled=self.opts.compiled, dtype=self.opts.dtype,
+                                         prefix_caching=self.opts.prefix_caching,
+                                         chunked_prefill=self.opts.chunked_prefill)
             self._seconds["engine_start_s"] = time.perf_counter() - t0
         return self._llm
 
@@ -396,12 +395,14 @@ class ParitySession:
                                          isolate_from=None if feed is None else [feed, *feed_steps],
                                          decode_steps=self.decode_steps, forced=forced)
         else:
-            from vllm_parity.harness import reference_side
+            from vllm_parity.harness import kernel_decode
 
             model = self._kernel_model()
-            with self.progress.layers(_decoder_layers(model), 1 + len(self.prompts)):
-                dump = reference_side.capture(model, self.arch, self.prompts, out, meta, wanted=self.wanted,
-                                              isolate_from=feed)
+            forwards = kernel_decode.forwards(len(self.prompts), self.decode_steps, self.opts.device == "cuda")
+            with self.progress.layers(_decoder_layers(model), forwards):
+                dump = kernel_decode.capture(model, self.arch, self.prompts, out, meta, wanted=self.wanted,
+                                             decode_steps=self.decode_steps, forced=forced,
+                                             isolate_from=None if feed is None else [feed, *feed_steps])
         self._seconds[out.name.replace("-", "_") + "_s"] = time.perf_counter() - t0
         return dump
 
@@ -422,8 +423,11 @@ class ParitySession:
             judgement = Judgement([])
         else:
             taps = self.capture_taps()
-            runs = 1 + (capture.isolated is not None)
-            self.progress.stage("compare", f"{len(taps)} taps" + (", propagated and isolated" if runs > 1 else ""))
+            runs = (1 + (capture.isolated is not None)) * (1 + len(capture.steps))
+            self.progress.stage("compare", f"{len(taps)} taps" + (", propagated and isolated" if capture.isolated
+                                                                   is not None else "")
+                                + (f", at the prefill and {len(capture.steps)} decode step(s)" if capture.steps
+                                   else ""))
             judgement = stages.judge(capture, taps, self.taps(), self.tolerances, self.num_layers, self.arch,
                                      on_tap=self.progress.steps(runs * len(taps), "taps"))
             self.progress.stage("diagnose", f"{sum(r.role == 'source' for r in judgement.taps)} source(s)")
@@ -445,17 +449,18 @@ class ParitySession:
 
         return golden.golden_path(Path(self.opts.root), golden.fixture_name(self.opts.model), writing=writing)
 
-    def acquire_reference(self) -> DumpReader:
-        """The live fp32 reference, or the golden one (written, and the run failed, when missing)."""
+    def acquire_reference(self, tokens: list[list[int]] | None = None) -> tuple[DumpReader, list[DumpReader]]:
+        """The live fp32 reference (with ``tokens``, its decode steps over them too), or the golden one with its
+        decode steps over the reference's own greedy tokens (written, and the run failed, when missing)."""
         from vllm_parity.harness import golden
 
         if self.opts.against != "golden" and not self.opts.update_golden:
-            return self.reference_dump()
+            return self._reference(tokens=tokens)
         dest = self.golden_dir(writing=True)
         if self.opts.against == "golden" and not self.opts.update_golden:
             try:
                 self._golden = golden.load_golden(self.golden_dir(), self.model_sha256, prompts_sha256(self.prompts))
-                return self._golden
+                return self._golden, self._golden.steps()[: self.decode_steps]
             except golden.GoldenMissing as exc:
                 self._golden_error = golden.GoldenMissing(
                     f"{exc}; it was written now from the live reference, and this run checked nothing "
@@ -463,25 +468,25 @@ class ParitySession:
         if self.opts.level != "model" or self.opts.taps or self.opts.compiled:
             raise golden.GoldenError("a golden reference holds every tap: write it with --parity-level=model and "
                                      "neither --parity-taps nor --parity-compiled")
-        live = self.reference_dump()
+        live, steps = self._reference(own_steps=self.decode_steps)
         golden.write_golden(live, dest, extras={"greedy": self.reference_greedy()})
         self._checks["golden_written"] = {"passed": self._golden_error is None, "path": str(dest)}
-        return live
+        return live, steps
 
-    def reference_greedy(self) -> list[list[int]]:
+    def reference_greedy(self, n: int | None = None) -> list[list[int]]:
+        """The reference's ``n`` (default ``--parity-greedy-tokens``) greedy tokens after each prompt."""
+        n = self.opts.greedy_tokens if n is None else n
         if self._golden is not None:
             from vllm_parity.harness import golden
 
             tokens = golden.extras_of(self._golden).get("greedy")
-            if tokens is None or len(tokens) != len(self.prompts) or \
-                    any(len(t) < self.opts.greedy_tokens for t in tokens):
-                raise golden.GoldenError(f"{self._golden.root}: holds no greedy continuation of "
-                                         f"{self.opts.greedy_tokens} tokens; regenerate it with "
-                                         f"--parity-update-golden")
-            return [t[: self.opts.greedy_tokens] for t in tokens]
+            if tokens is None or len(tokens) != len(self.prompts) or any(len(t) < n for t in tokens):
+                raise golden.GoldenError(f"{self._golden.root}: holds no greedy continuation of {n} tokens; "
+                                         f"regenerate it with --parity-update-golden")
+            return [t[:n] for t in tokens]
         if self._reference_tokens is None:
             raise RuntimeError("the reference's greedy continuation is made with its dump at --parity-level=model")
-        return self._reference_tokens
+        return [t[:n] for t in self._reference_tokens]
 
     def unused_golden(self) -> list[str]:
         """Golden taps this run never read (reported only when every tap was compared)."""
@@ -523,7 +528,9 @@ class ParitySession:
             outs = generate(self.llm(), self.prompts, max_tokens=self.opts.greedy_tokens)
             candidate = [list(o.outputs[0].token_ids) for o in outs]
         else:
-            candidate = [_greedy(self._kernel_model(), ids, self.opts.greedy_tokens)[0] for ids in self.prompts]
+            from vllm_parity.harness.kernel_decode import greedy
+
+            candidate = [greedy(self._kernel_model(), ids, self.opts.greedy_tokens)[0] for ids in self.prompts]
         return model_checks.greedy(self.reference_greedy(), candidate, self._reference_logits, self._logit_tie())
 
     def _logit_tie(self) -> float:
@@ -563,7 +570,10 @@ class ParitySession:
         from vllm_parity.harness.kernel_candidate import build_kernel_model
 
         if self._kmodel is None:
-            self._kmodel = build_kernel_model(self.ckpt, dtype=getattr(torch, self.opts.dtype))
+            # its own reading of the files: one Checkpoint's tensors are views of one mapping of each file, and a
+            # candidate writing its weights in place must not write the reference's
+            self._kmodel = build_kernel_model(Checkpoint(self.model_dir), dtype=getattr(torch, self.opts.dtype),
+                                              device=self.opts.device)
         return self._kmodel
 
     # -- the record -------------------------------------------------------------------------------
@@ -595,7 +605,8 @@ class ParitySession:
             from vllm_parity.harness.compare import kernel_branches
 
             run["kernel_branches"] = kernel_branches(judgement.taps,
-                                                     capture.candidate.manifest.get("kernel_branches", {}))
+                                                     capture.candidate.manifest.get("kernel_branches", {}),
+                                                     capture.candidate.manifest.get("kernel_untaken"))
         if skipped := self.why_no_decode():
             run["decode_skipped"] = skipped
         if self._golden is not None:
@@ -638,6 +649,26 @@ def _greedy(model, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor
             steps.append(row)
             x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
     return out, steps
+
+
+def _greedy_batch(model, prompts: list[list[int]], n: int) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """``n`` greedy tokens after each prompt, and the logits each was chosen from: every prompt in one forward a
+    token (right-padded: under the causal mask no prompt's last row sees a padded one)."""
+    seqs = [list(ids) for ids in prompts]
+    steps: list[list[torch.Tensor]] = [[] for _ in seqs]
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for _ in range(n):
+            width = max(len(s) for s in seqs)
+            x = torch.zeros(len(seqs), width, dtype=torch.long)
+            for p, s in enumerate(seqs):
+                x[p, :len(s)] = torch.tensor(s, dtype=torch.long)
+            logits = model(x.to(device), use_cache=False).logits
+            for p, s in enumerate(seqs):
+                row = logits[p, len(s) - 1].float().cpu()
+                steps[p].append(row)
+                s.append(int(row.argmax()))
+    return [s[len(ids):] for s, ids in zip(seqs, prompts)], steps
 
 
 def _decoder_layers(model) -> list:

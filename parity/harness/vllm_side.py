@@ -9,13 +9,20 @@ else (replicated, or row-parallel and already reduced) is taken from rank 0.
 vLLM flattens every scheduled token of a step into one batch. Rows are mapped back from the step's
 own metadata, never from an assumed order: ``query_start_loc`` of the attention metadata splits the
 batch into requests, the model runner's ``input_batch.req_ids`` names them (our request ids carry
-the prompt index), and the positions are the first decoder layer's ``positions`` argument. The
-engine runs with prefix caching and chunked prefill off (``vllm_parity.harness.engine``); that each prompt
-ran as one full forward is checked, not trusted.
+the prompt index), and each request's positions are those the runner prepared for the forward (checked
+against the first decoder layer's ``positions`` argument). Rows below the prompt's length are its prefill, one
+row at ``len(prompt) + s`` its decode step ``s``. By default the engine runs with prefix caching and chunked
+prefill off (``vllm_parity.harness.engine``) and each prefill must be one full forward (checked, not trusted);
+with chunked prefill on, a prefill's chunks are held per tap until its last one and dumped whole; with prefix
+caching on, a warming pass runs each prompt's prefill first, and the recorded pass's prefill, computing only the
+positions the cache does not serve, is completed with the warming pass's rows for the served ones.
 
-Decode steps: a request's first forward is its prefill, each later one a decode step (one row, read from the KV
-cache). Step ``s``'s rows go to a dump of their own (``dumps.step_dir``), each prompt's one row at position
-``len(prompt) + s``, checked as the prefill's positions are. The tokens the engine generated are kept in the
+Scheduling: the requests run in waves (``plan_waves``), all at once unless another grouping of the prompts takes
+a kernel branch the serving methods report (``kernel_for`` probed over row counts for each branch's rows) that one
+batch leaves untaken; why any branch stays untaken is kept in the manifest (``kernel_untaken``).
+
+Decode steps: step ``s``'s rows go to a dump of their own (``dumps.step_dir``), each prompt's one row at position
+``len(prompt) + s``. The tokens the engine generated are kept in the
 manifest (``decode``): the reference runs over them, and an isolated run is made to decode the same ones.
 
 The ``logits`` tap: vLLM computes logits only for sampled positions, so the tap applies the model's
@@ -25,35 +32,62 @@ final hidden state inside the same forward.
 
 from __future__ import annotations
 
+import pickle
 import re
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from vllm_parity.harness.dumps import DumpReader, DumpWriter, key, step_dir
 from vllm_parity.harness.recorder import Recorder
+from vllm_parity.harness.schedule import kernel_ranges, merge, plan_waves, row_counts, splits, why_untaken
 from vllm_parity.architectures import Architecture
 from vllm_parity.harness.taps import expand, layer_of
 
-REQUEST = re.compile(r"^parity-(\d+)(?:-|$)")
+REQUEST = re.compile(r"^parity-(\d+)(-warm)?(?:-|$)")  # ours; "-warm": the pass warming the prefix cache
+WARM = "warm"  # the dump slot of the warming pass's rows
 _ACTIVE: dict[str, dict] = {}  # per worker process: capture id -> its recorder and hooks
 
 
-class _StepRows:
-    """Maps the token rows of the current forward to (prompt, positions) and the phase: a request's first
-    forward is its prefill, each later one a decode step. ``forced``: per prompt, the token each decode step
-    is made to run (an isolated run decodes the propagated run's tokens, whatever it sampled itself)."""
+class _Span(NamedTuple):
+    """One request's rows in the current forward."""
 
-    def __init__(self, runner, prompt_lens: list[int], forced: list[list[int]] | None = None):
+    prompt: int
+    start: int  # its rows of the forward's batch
+    end: int
+    step: int | None  # decode step; None: the prefill, or a chunk of it
+    first: int  # the position of its first row
+    warm: bool  # the cache-warming pass (prefix caching): its rows fill the positions served from the cache later
+
+
+class _StepRows:
+    """Maps the token rows of the current forward to (prompt, positions) and the phase, from the step's metadata:
+    rows at positions below the prompt's length are its prefill (the whole prompt, a chunk of it, or the part the
+    prefix cache did not serve), one row at position ``len(prompt) + s`` is decode step s. ``forced``: per prompt,
+    the token each decode step is made to run (an isolated run decodes the propagated run's tokens, whatever it
+    sampled itself). ``chunked`` / ``cached``: whether the engine may split a prefill over forwards / serve a
+    prompt's first blocks from its prefix cache (else each prefill must be one full forward)."""
+
+    def __init__(self, runner, prompt_lens: list[int], forced: list[list[int]] | None = None,
+                 chunked: bool = False, cached: bool = False):
         self.runner = runner
         self.prompt_lens = prompt_lens
         self.forced = forced
-        self.forwards: dict[int, int] = {}  # prompt -> forwards that ran it
-        self.spans: list[tuple[int, int, int, int | None]] | None = None  # (prompt, start, end, step; None: prefill)
+        self.chunked, self.cached = chunked, cached
+        self.spans: list[_Span] | None = None
+        self.tap: str | None = None  # the tap being captured (set by the recorder)
+        self.next: dict[tuple[int, bool], int] = {}  # (prompt, warm) -> the position its next prefill row must have
+        self.prefills: dict[int, int] = {}  # prompt -> complete prefills of the recorded pass
+        self.decodes: dict[int, list[int]] = {}  # prompt -> decode steps run, in order
+        self.first_computed: dict[int, int] = {}  # prompt -> first position its recorded prefill computed
+        self.pieces: dict[int, int] = {}  # prompt -> forwards its recorded prefill ran in
+        self.chunks: dict[tuple[str, int, bool], list[torch.Tensor]] = {}  # a prefill's rows so far, per tap
 
     def begin(self) -> None:
-        """At the step's first module (the embedding): split rows by request from the metadata."""
+        """At the step's first module (the embedding): split rows by request from the metadata, each request's
+        first position from the positions the runner prepared for this forward."""
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
         self.spans = None
@@ -65,42 +99,102 @@ class _StepRows:
         first = next(iter(meta.values())) if isinstance(meta, dict) else meta
         qsl = first.query_start_loc.tolist()
         req_ids = list(self.runner.input_batch.req_ids)[: len(qsl) - 1]
+        positions = self.runner.positions
         spans = []
         for r, rid in enumerate(req_ids):
             m = REQUEST.match(str(rid))
-            if m is not None:
-                p = int(m.group(1))
-                n = self.forwards[p] = self.forwards.get(p, 0) + 1
-                spans.append((p, qsl[r], qsl[r + 1], None if n == 1 else n - 2))
+            if m is None:
+                continue
+            p, warm, s, e = int(m.group(1)), m.group(2) is not None, qsl[r], qsl[r + 1]
+            pos = int(positions[s])
+            length = self.prompt_lens[p]
+            span = _Span(p, s, e, None if pos < length else pos - length, pos, warm)
+            self._check(span)
+            spans.append(span)
         self.spans = spans
+
+    def _check(self, span: _Span) -> None:
+        """The span continues its request as the engine's settings allow: a prefill whole (or in chunks, or after
+        a cached prefix), then decode steps 0, 1, ... one row each."""
+        p, n, length = span.prompt, span.end - span.start, self.prompt_lens[span.prompt]
+        if span.step is not None:
+            done = self.decodes.setdefault(p, [])
+            if n != 1 or span.step != len(done) or span.warm:
+                raise RuntimeError(f"prompt {p} was not run as decode step {len(done)} at position "
+                                   f"{length + len(done)} ({n} rows from position {span.first}): speculative "
+                                   f"decoding is on")
+            done.append(span.step)
+            return
+        want = self.next.get((p, span.warm), 0)
+        if span.warm and want == 0 and span.first > 0:
+            raise RuntimeError(f"prompt {p}: the warming pass found its first {span.first} positions cached; "
+                               f"with prefix caching on, prompts must not share a prefix of a whole KV block (the "
+                               f"positions it serves are taken from the prompt's own warming pass)")
+        resumed = span.first > want and want == 0 and self.cached and not span.warm
+        if span.first != want and not resumed or (not self.chunked and span.first + n != length):
+            what = "prefill" if span.warm else "one full prefill"
+            allowed = [w for w, on in (("chunked prefill", self.chunked), ("prefix caching", self.cached)) if on]
+            raise RuntimeError(
+                f"prompt {p} was not run as {what} ({n} rows from position {span.first}, expected from {want}, of "
+                f"{length} tokens): {' and '.join(allowed) or 'no engine feature'} on here, but the engine split "
+                f"or skipped it otherwise (speculative decoding, or an engine setting the run did not make)")
+        if not span.warm:
+            self.pieces[p] = self.pieces.get(p, 0) + 1
+        if want == 0 and not span.warm:
+            self.first_computed[p] = span.first
+        self.next[(p, span.warm)] = span.first + n
+        if span.first + n == length and not span.warm:
+            self.prefills[p] = self.prefills.get(p, 0) + 1
 
     def force(self, args: tuple):
         """The embedding's arguments with each decode row's token replaced by the forced one (None: unchanged)."""
-        if not self.forced or not self.spans or not any(step is not None for *_, step in self.spans):
+        if not self.forced or not self.spans or not any(sp.step is not None for sp in self.spans):
             return None
         ids = args[0].clone()
-        for p, start, end, step in self.spans:
-            if step is not None:
-                ids[start:end] = self.forced[p][step]
+        for sp in self.spans:
+            if sp.step is not None:
+                ids[sp.start:sp.end] = self.forced[sp.prompt][sp.step]
         return (ids, *args[1:])
 
     def check_positions(self, positions: torch.Tensor) -> None:
-        """At the first decoder layer: a prefill is one full forward, positions 0..T-1; decode step s is one
-        row at position T+s."""
-        for prompt, start, end, step in self.spans or ():
-            pos = positions[start:end].cpu()
-            first, n = (0, self.prompt_lens[prompt]) if step is None else (self.prompt_lens[prompt] + step, 1)
-            want = torch.arange(first, first + n, dtype=pos.dtype)
-            if end - start != len(want) or not torch.equal(pos, want):
-                what = "one full prefill" if step is None else f"decode step {step} at position {first}"
-                raise RuntimeError(
-                    f"prompt {prompt} was not run as {what} (positions {pos[:3].tolist()}…, {end - start} rows "
-                    f"for {len(want)} tokens): prefix caching, chunked prefill or speculative decoding is on")
+        """At the first decoder layer: the positions the rows ran at are those the spans were told."""
+        for sp in self.spans or ():
+            pos = positions[sp.start:sp.end].cpu()
+            want = torch.arange(sp.first, sp.first + sp.end - sp.start, dtype=pos.dtype)
+            if not torch.equal(pos, want):
+                raise RuntimeError(f"prompt {sp.prompt}: rows ran at positions {pos[:3].tolist()}…, the runner "
+                                   f"prepared {want[:3].tolist()}…")
 
-    def __call__(self, t: torch.Tensor) -> dict[int | tuple[int, int], torch.Tensor]:
+    def __call__(self, t: torch.Tensor) -> dict[int | tuple, torch.Tensor]:
+        """The rows of ``t`` by dump slot: a prompt (its prefill), (step, prompt) for a decode step, (WARM,
+        prompt) for the warming pass. A prefill run in chunks is held until its last chunk, then given whole."""
         if not self.spans:
             return {}
-        return {p if step is None else (step, p): t[s:e] for p, s, e, step in self.spans}
+        out = {}
+        for sp in self.spans:
+            rows = t[sp.start:sp.end]
+            if sp.step is not None:
+                out[(sp.step, sp.prompt)] = rows
+                continue
+            slot = (WARM, sp.prompt) if sp.warm else sp.prompt
+            held = self.chunks.pop((self.tap, sp.prompt, sp.warm), [])
+            if sp.first + len(rows) < self.prompt_lens[sp.prompt]:
+                self.chunks[(self.tap, sp.prompt, sp.warm)] = [*held, rows.clone()]
+            else:
+                out[slot] = torch.cat([*held, rows]) if held else rows
+        return out
+
+    def reference_rows(self, ref: torch.Tensor, sp: _Span) -> torch.Tensor:
+        """The rows of the reference's tensor (of the span's phase) the span computed."""
+        return ref if sp.step is not None else ref[sp.first:sp.first + sp.end - sp.start]
+
+
+class _TapRecorder(Recorder):
+    """The recorder telling the row map which tap it captures (a chunk is held per tap)."""
+
+    def _capture(self, tap: str, tensor: torch.Tensor) -> None:
+        self.rows.tap = tap
+        super()._capture(tap, tensor)
 
 
 def _parallel(model, plan, arch: Architecture) -> dict[str, str]:
@@ -142,36 +236,39 @@ def _fused(arch: Architecture, packed: dict, num_layers: int) -> dict[str, list[
     return out
 
 
-def _install_worker(worker, capture_id: str, arch: Architecture, out: str, prompt_lens: list[int],
+def _install_worker(worker, capture_id: str, arch: bytes, out: str, prompt_lens: list[int],
                     taps: list[str] | None, meta: dict, isolate_from: list[str] | None = None,
-                    forced: list[list[int]] | None = None) -> dict:
+                    forced: list[list[int]] | None = None, features: tuple[bool, bool] = (False, False)) -> dict:
     """Runs in each worker: hook the model, stream this rank's taps to ``out/rank{r}`` (decode step s's to
-    ``out/step{s}/rank{r}``).
+    ``out/step{s}/rank{r}``, the cache-warming pass's to ``out/warm/rank{r}``).
 
-    With ``isolate_from`` (the reference's dump directories: the prefill's, then each decode step's) every
-    decoder layer is fed the reference's input for that layer, so each layer's error is its own; ``forced``:
-    the tokens its decode steps run.
+    ``arch``: the architecture, pickled (vLLM's multiprocess engine sends arguments as msgpack, which turns a
+    dataclass into a dict; a name would miss an architecture registered in the parent process only). With
+    ``isolate_from`` (the reference's dump directories: the prefill's, then each decode step's) every decoder
+    layer is fed the reference's input for that layer, so each layer's error is its own; ``forced``: the tokens
+    its decode steps run; ``features``: (chunked prefill, prefix caching) on in the engine.
     """
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
+    arch: Architecture = pickle.loads(arch)
     rank = get_tensor_model_parallel_rank()
     runner = worker.model_runner
     model = runner.get_model()
-    rows = _StepRows(runner, prompt_lens, forced)
+    rows = _StepRows(runner, prompt_lens, forced, *features)
     writer = DumpWriter(Path(out) / f"rank{rank}", {**meta, "rank": rank})
-    step_writers: dict[int, DumpWriter] = {}
+    step_writers: dict[int | str, DumpWriter] = {}
 
-    def step_writer(step: int) -> DumpWriter:
+    def step_writer(step: int | str) -> DumpWriter:
         if step not in step_writers:
-            step_writers[step] = DumpWriter(Path(out) / f"step{step}" / f"rank{rank}",
-                                            {**meta, "rank": rank, "decode_step": step})
+            where, extra = (WARM, {}) if step == WARM else (f"step{step}", {"decode_step": step})
+            step_writers[step] = DumpWriter(Path(out) / where / f"rank{rank}", {**meta, "rank": rank, **extra})
         return step_writers[step]
     wanted = set(taps) if taps is not None else None
     attn = model.model.layers[0].self_attn
     packed = dict(getattr(model, "packed_modules_mapping", {}))
     num_layers = model.config.num_hidden_layers
     points = arch.serving_points(packed)
-    rec = Recorder(model, points, num_layers, writer,
+    rec = _TapRecorder(model, points, num_layers, writer,
                    wanted=lambda t: t != "logits" and (wanted is None or t in wanted), step_writer=step_writer)
     rec.rows = rows
 
@@ -187,7 +284,7 @@ def _install_worker(worker, capture_id: str, arch: Architecture, out: str, promp
         for i, layer in enumerate(model.model.layers):
             handles.append(layer.register_forward_pre_hook(_feed_reference(ref, i, rows)))
     rec.install()
-    kernels = _Kernels(model, rec.plan, rows)
+    kernels = _Kernels(model, rec.plan, rows, runner.dtype)
     handles += kernels.install()
     if isolate_from is not None:  # after the recorder's hooks: a projection's input tap is the candidate's own
         handles += _feed_projections(model, rec.plan, arch, ref, rows, rank, get_tensor_model_parallel_world_size())
@@ -228,8 +325,8 @@ class _Kernels:
     the method reports it (``quant_method.kernel_for(layer, rows, dtype)``; ``kernels(layer, dtype)``: every
     kernel it may choose)."""
 
-    def __init__(self, model, plan, rows: _StepRows):
-        self.modules, self.rows = dict(model.named_modules()), rows
+    def __init__(self, model, plan, rows: _StepRows, dtype: torch.dtype):
+        self.modules, self.rows, self.dtype = dict(model.named_modules()), rows, dtype
         self.taps_of: dict[str, list[str]] = {}  # module -> the taps its output gives
         for tap, point, path in plan:
             method = getattr(self.modules.get(path), "quant_method", None)
@@ -246,7 +343,7 @@ class _Kernels:
                     return
                 x, method = args[0], mod.quant_method
                 kernel = method.kernel_for(mod, x.reshape(-1, x.shape[-1]).shape[0], x.dtype)
-                for step in {step for *_, step in self.rows.spans}:  # the call's rows: every phase in this forward
+                for step in {sp.step for sp in self.rows.spans}:  # the call's rows: every phase in this forward
                     for t in taps:
                         self.used.setdefault(step, {}).setdefault(t, set()).add(kernel)
                 for t in taps:
@@ -258,6 +355,19 @@ class _Kernels:
     def of(self, step: int | None) -> dict[str, list[str]]:
         return {t: sorted(k) for t, k in self.used.get(step, {}).items()}
 
+    def probe(self) -> dict:
+        """What the methods would choose: ``ranges``, per kernel the row counts (``[first, last]``, last None: no
+        end) where some layer takes it; ``possible``, every kernel the methods list."""
+        layers = [self.modules[path] for path in self.taps_of]
+        possible: dict[str, None] = {}
+        ranges: dict[str, list[list[int | None]]] = {}
+        for mod in layers:
+            method = mod.quant_method
+            possible.update(dict.fromkeys(method.kernels(mod, self.dtype) if hasattr(method, "kernels") else ()))
+            for k, first, last in kernel_ranges(lambda m: method.kernel_for(mod, m, self.dtype)):
+                ranges.setdefault(k, []).append([first, last])
+        return {"ranges": {k: merge(r) for k, r in ranges.items()}, "possible": list(possible)}
+
 
 def _feed_reference(ref: _Phases, layer: int, rows: _StepRows):
     """A pre-hook giving decoder layer ``layer`` the reference's input, residual folded in (None)."""
@@ -266,8 +376,9 @@ def _feed_reference(ref: _Phases, layer: int, rows: _StepRows):
         if not rows.spans:
             return None
         fed = (hidden if args[2] is None else hidden + args[2]).clone()
-        for p, s, e, step in rows.spans:
-            fed[s:e] = ref[step].get(f"layers.{layer}.input", p).to(fed.dtype)
+        for sp in rows.spans:
+            fed[sp.start:sp.end] = rows.reference_rows(ref[sp.step].get(f"layers.{layer}.input", sp.prompt), sp).to(
+                fed.dtype)
         return (positions, fed, None, *args[3:])
     return hook
 
@@ -302,19 +413,24 @@ def _feed_input(ref: _Phases, source: str, rows: _StepRows, rank: int | None, wo
             return None
         x = args[0]
         fed = x.clone()
-        for p, s, e, step in rows.spans:
-            r = ref[step].get(source, p)
+        for sp in rows.spans:
+            r = rows.reference_rows(ref[sp.step].get(source, sp.prompt), sp)
             if rank is not None:
                 width = r.shape[-1] // world
                 r = r[..., rank * width:(rank + 1) * width]
-            if tuple(r.shape) != tuple(fed[s:e].shape):
+            if tuple(r.shape) != tuple(fed[sp.start:sp.end].shape):
                 return None
-            fed[s:e] = r.to(fed.dtype)
+            fed[sp.start:sp.end] = r.to(fed.dtype)
         return (fed, *args[1:])
     return hook
 
 
+def _probe_worker(worker, capture_id: str) -> dict:
+    return _ACTIVE[capture_id]["kernels"].probe()
+
+
 def _finish_worker(worker, capture_id: str) -> dict:
+    """Unhook, close this rank's dumps; what ran, with plain keys (the multiprocess engine sends it as msgpack)."""
     state = _ACTIVE.pop(capture_id)
     rec: Recorder = state["rec"]
     rec.flush()
@@ -325,8 +441,14 @@ def _finish_worker(worker, capture_id: str) -> dict:
     for w in [writer, *step_writers.values()]:
         w.close()
     kernels: _Kernels = state["kernels"]
-    return {"seen": sorted(rec.seen), "planned": [t for t, _, _ in rec.plan], "forwards": state["rows"].forwards,
-            "kernels": {step: kernels.of(step) for step in kernels.used}, "kernel_branches": kernels.possible}
+    rows: _StepRows = state["rows"]
+    return {"seen": sorted(rec.seen), "planned": [t for t, _, _ in rec.plan],
+            "prefills": [[p, n] for p, n in rows.prefills.items()],
+            "decodes": [[p, d] for p, d in rows.decodes.items()],
+            "first_computed": [[p, f] for p, f in rows.first_computed.items()],
+            "pieces": [[p, n] for p, n in rows.pieces.items()],
+            "held": sorted({f"{p}" for _, p, _ in rows.chunks}),
+            "kernels": [[step, kernels.of(step)] for step in kernels.used], "kernel_branches": kernels.possible}
 
 
 def capture(llm, arch: Architecture, prompts: list[list[int]], out: str | Path, meta: dict | None = None,
@@ -335,7 +457,14 @@ def capture(llm, arch: Architecture, prompts: list[list[int]], out: str | Path, 
     """Run every prompt through ``llm``, its prefill and ``decode_steps`` greedy decode steps, and dump its taps
     (``taps`` None: all of them); decode step s's dump is at ``dumps.step_dir(out, s)``, the generated tokens in
     the manifest's ``decode``. ``isolate_from``: the reference's dumps (the prefill's, then each step's), each
-    decoder layer fed their input for it; ``forced``: the tokens the decode steps run (per prompt)."""
+    decoder layer fed their input for it; ``forced``: the tokens the decode steps run (per prompt).
+
+    The requests run in waves (``plan_waves``): all at once, unless another grouping takes a kernel branch of
+    the serving methods that one batch leaves untaken (the manifest's ``waves``; ``kernel_untaken``: why each
+    branch no forward took was not taken). With the engine's prefix caching on, every prompt first runs
+    through a warming pass (its prefill only); the recorded pass then computes only what the cache does not
+    serve, and its prefill's cached positions are taken from the warming pass (``prefix_cached``: how many); with
+    chunked prefill on, a prefill run in several forwards is assembled (``prefill_chunks``: in how many)."""
     from vllm import SamplingParams
 
     out = Path(out)
@@ -346,43 +475,83 @@ def capture(llm, arch: Architecture, prompts: list[list[int]], out: str | Path, 
     iso = [str(r.root) for r in isolate_from] if isolate_from is not None else None
     if iso is not None and len(iso) < 1 + decode_steps:
         raise ValueError(f"isolating {decode_steps} decode steps needs the reference's dump of each")
-    infos = llm.collective_rpc(_install_worker, args=(capture_id, arch, str(ranks_dir), [len(p) for p in prompts],
-                                                      taps, meta, iso, forced))
+    lens = [len(p) for p in prompts]
+    config = llm.llm_engine.vllm_config
+    chunked = bool(config.scheduler_config.enable_chunked_prefill)
+    cached = bool(config.cache_config.enable_prefix_caching)
+    chunk = int(config.scheduler_config.max_num_batched_tokens) if chunked else None
+    infos = llm.collective_rpc(_install_worker, args=(capture_id, pickle.dumps(arch), str(ranks_dir), lens, taps, meta,
+                                                      iso, forced, (chunked, cached)))
     world = len(infos)
     # with fewer kv heads than ranks, consecutive ranks hold the same kv head
     kv_step = max(1, world // max(1, infos[0]["total_kv_heads"]))
     tokens: dict[int, list[int]] = {}
+    untaken: dict[str, str] = {}
     try:
+        probe = llm.collective_rpc(_probe_worker, args=(capture_id,))[0]
+
+        def kernels_at(m: int) -> set[str]:
+            m = min(m, chunk) if chunk else m  # a step runs at most its token budget
+            return {k for k, ranges in probe["ranges"].items()
+                    if any(first <= m and (last is None or m <= last) for first, last in ranges)}
+        waves, taken = plan_waves(lens, decode_steps, kernels_at, probe["possible"])
+        missed = [k for k in probe["possible"] if k not in taken]
+        if missed:
+            counts = set().union(*(row_counts(w, lens, decode_steps) for w in splits(len(prompts), lens)))
+            counts = {min(m, chunk) for m in counts} if chunk else counts
+            untaken = {k: why_untaken(k, probe["ranges"].get(k, []), lens, decode_steps, counts, chunk) for k in missed}
+        engine = llm.llm_engine
+        if cached:  # the warming pass: every prompt's prefill, so that the recorded pass finds its blocks cached
+            # computed by this capture (an earlier one's, or the propagated run's under an isolated one, are not)
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("vLLM did not empty its prefix cache before the warming pass")
+            warm = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True)
+            for p, ids in enumerate(prompts):
+                engine.add_request(f"parity-{p}-warm", {"prompt_token_ids": list(ids)}, warm)
+            _drain(engine, {})
         # the last sampled token is never run: decode step s runs the token sampled after step s-1
         params = SamplingParams(max_tokens=1 + decode_steps, temperature=0.0, detokenize=False, ignore_eos=True)
-        engine = llm.llm_engine
-        for p, ids in enumerate(prompts):
-            engine.add_request(f"parity-{p}", {"prompt_token_ids": list(ids)}, params)
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                m = REQUEST.match(str(o.request_id))
-                if m is not None:
-                    tokens[int(m.group(1))] = list(o.outputs[0].token_ids)
+        for wave in waves:
+            for p in wave:
+                engine.add_request(f"parity-{p}", {"prompt_token_ids": list(prompts[p])}, params)
+            _drain(engine, tokens)
     finally:
         states = llm.collective_rpc(_finish_worker, args=(capture_id,))
-    ran = {int(p): n for p, n in states[0]["forwards"].items()}
-    short = [p for p in range(len(prompts)) if ran.get(p, 0) != 1 + decode_steps]
+    state = states[0]
+    prefills, decodes = dict(map(tuple, state["prefills"])), dict(map(tuple, state["decodes"]))
+    short = [p for p in range(len(prompts))
+             if prefills.get(p, 0) != 1 or list(decodes.get(p, [])) != list(range(decode_steps))]
     if short:
-        raise RuntimeError(f"prompts {short[:5]} ran {[ran.get(p, 0) for p in short[:5]]} forwards, not the prefill "
-                           f"and {decode_steps} decode step(s)")
+        raise RuntimeError(f"prompts {short[:5]} ran {[prefills.get(p, 0) for p in short[:5]]} prefill(s) and decode "
+                           f"steps {[list(decodes.get(p, [])) for p in short[:5]]}, not one prefill and "
+                           f"{decode_steps} decode step(s)")
+    if state["held"]:
+        raise RuntimeError(f"prompts {state['held']}: a prefill's last chunk never ran")
     seen = set().union(*(set(s["seen"]) for s in states))
-    planned = states[0]["planned"] + ([] if taps is not None and "logits" not in taps else ["logits"])
+    planned = state["planned"] + ([] if taps is not None and "logits" not in taps else ["logits"])
     missing = [t for t in planned if t not in seen]
     if missing:
         raise RuntimeError(f"taps never fired in vLLM: {missing[:5]} (hooks need enforce_eager=True)")
     gathered = {**meta, "side": meta.get("side", "candidate"), "tensor_parallel_size": world,
-                "parallel": infos[0]["parallel"], "fused": infos[0]["fused"]}
-    used = states[0]["kernels"]  # every rank runs the same kernels
+                "parallel": infos[0]["parallel"], "fused": infos[0]["fused"], "waves": waves,
+                "engine_features": {"chunked_prefill": chunk or 0, "prefix_caching": cached}}
+    used = {step: k for step, k in state["kernels"]}  # every rank runs the same kernels
     if used:
-        gathered["kernel_branches"] = states[0]["kernel_branches"]
+        gathered["kernel_branches"] = state["kernel_branches"]
+        gathered["kernel_untaken"] = untaken
     if decode_steps:
         gathered["decode"] = {"steps": decode_steps, "tokens": [tokens[p][:decode_steps] for p in range(len(prompts))]}
-    _gather_ranks(ranks_dir, out, world, kv_step, {**gathered, **({"kernels": used[None]} if None in used else {})})
+    if chunked:
+        pieces = dict(map(tuple, state["pieces"]))
+        gathered["prefill_chunks"] = [int(pieces.get(p, 0)) for p in range(len(prompts))]
+    head = None
+    if cached:
+        first = dict(map(tuple, state["first_computed"]))
+        gathered["prefix_cached"] = [int(first.get(p, 0)) for p in range(len(prompts))]
+        _gather_ranks(ranks_dir / WARM, ranks_dir / "warm-gathered", world, kv_step, gathered)
+        head = DumpReader(ranks_dir / "warm-gathered")
+    _gather_ranks(ranks_dir, out, world, kv_step, {**gathered, **({"kernels": used[None]} if None in used else {})},
+                  head=head, lens=lens)
     for s in range(decode_steps):
         _gather_ranks(ranks_dir / f"step{s}", step_dir(out, s), world, kv_step,
                       {**gathered, "decode_step": s, "first_positions": [len(ids) + s for ids in prompts],
@@ -391,8 +560,19 @@ def capture(llm, arch: Architecture, prompts: list[list[int]], out: str | Path, 
     return DumpReader(out)
 
 
-def _gather_ranks(ranks_dir: Path, out: Path, world: int, kv_step: int, meta: dict) -> None:
-    """One dump from the ranks' dumps, a layer group at a time."""
+def _drain(engine, tokens: dict[int, list[int]]) -> None:
+    """Step the engine until its requests finish; our requests' generated tokens into ``tokens``."""
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            m = REQUEST.match(str(o.request_id))
+            if m is not None and m.group(2) is None:
+                tokens[int(m.group(1))] = list(o.outputs[0].token_ids)
+
+
+def _gather_ranks(ranks_dir: Path, out: Path, world: int, kv_step: int, meta: dict, head: DumpReader | None = None,
+                  lens: list[int] | None = None) -> None:
+    """One dump from the ranks' dumps, a layer group at a time; ``head``: where a prompt's rows start after its
+    first position (the prefix its cache served), those first rows are taken from it (``lens``: prompt lengths)."""
     readers = [DumpReader(ranks_dir / f"rank{r}") for r in range(world)]
     writer = DumpWriter(out, meta)
     by_group: dict[str, dict[str, torch.Tensor]] = {}
@@ -407,6 +587,8 @@ def _gather_ranks(ranks_dir: Path, out: Path, world: int, kv_step: int, meta: di
                 t = torch.stack([r.get(tap, p) for r in readers]).sum(dim=0)
             else:
                 t = readers[0].get(tap, p)
+            if head is not None and t.shape[0] < lens[p]:
+                t = torch.cat([head.get(tap, p)[:lens[p] - t.shape[0]], t])
             by_group.setdefault(group, {})[key(tap, p)] = t
         if len(by_group) > 1:  # a group is complete once the next one starts
             first = next(iter(by_group))

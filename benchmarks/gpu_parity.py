@@ -1,0 +1,123 @@
+"""The ``kernels`` candidate's parity runs on a GPU: block and model levels, prefill and decode steps, per model.
+
+Each run is one ``ParitySession`` (``--parity-candidate=kernels --parity-device=cuda``) in this process: the fp32
+reference and the candidate in its serving dtype, both on CUDA, the decode steps replayed from a CUDA graph. The
+JSON holds, per model, level and dtype: the verdict, the taps compared per phase, the failing ones, the run's
+timings (the candidate's prefill and decode phases apart, the graph's capture), the kernel branches exercised, and
+the peak GPU memory.
+
+    python benchmarks/gpu_parity.py [--models default,large,int8x] [--levels block,model] [--dtypes bfloat16]
+                                    [--decode-steps 2] [--budget-s 400] [--out FILE]
+
+``large`` is ``harness.py``'s 1.2B seed-article fixture (LARGE), ``int8x`` an int8x fixture of the default's
+dims; both are generated into the fixture cache on first use. Runs past ``--budget-s`` are skipped (said so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def model_dir(name: str) -> tuple[str | None, float]:
+    """The checkpoint of ``name`` (None: the embedded default) and the seconds its generation took."""
+    from vllm_parity.fixtures.checkpoints import Dims, make_fixture
+    from vllm_parity.fixtures.default_model import cache_root
+
+    if name == "default":
+        return None, 0.0
+    t0 = time.perf_counter()
+    if name == "large":
+        from harness import LARGE
+
+        path = make_fixture("seed-article", cache_root() / "bench-1.2b-seed-article", seed=0, dims=Dims(**LARGE),
+                            overwrite=False)
+    elif name == "int8x":
+        path = make_fixture("int8x", cache_root() / "bench-int8x-default-dims", seed=0, dims=Dims(), overwrite=False)
+    else:
+        raise SystemExit(f"unknown model {name!r}: default, large or int8x")
+    return str(path), time.perf_counter() - t0
+
+
+def run(model: str | None, level: str, dtype: str, decode_steps: int, device: str = "cuda") -> dict:
+    from vllm_parity.harness.session import Options, ParitySession
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        s = ParitySession(Options(model=model, level=level, candidate="kernels", device=device, dtype=dtype,
+                                  decode_steps=decode_steps, report_dir=f"{tmp}/report",
+                                  snapshot_dir=f"{tmp}/snap", root=tmp, command=["benchmarks/gpu_parity.py"]))
+        try:
+            capture = s.capture()
+            judgement = s.judgement()
+            checks = {n: s.check(n).get("passed") for n in ("greedy", "topk")} if level == "model" else {}
+            record = s.record().as_dict()
+        finally:
+            s.finish()
+        wall = time.perf_counter() - t0
+    phases: dict[str, int] = {}
+    for r in judgement.taps:
+        name = "prefill" if r.phase == "prefill" else f"decode{r.step}"
+        phases[name] = phases.get(name, 0) + 1
+    cand = capture.candidate.manifest
+    return {"model": record["run"]["model"], "format": record["run"]["format"], "level": level, "dtype": dtype,
+            "mode": record["run"]["mode"], "passed": all(r.verdict for r in judgement.taps) and all(checks.values()),
+            "checks": checks, "taps": phases,
+            "failing": sorted({f"{r.name}@{r.phase}{'' if r.step is None else r.step}"
+                               for r in judgement.taps if not r.verdict})[:20],
+            "wall_s": wall, "timings": record["run"]["timings"], "candidate_phases_s": cand.get("seconds", {}),
+            "decode_graph": cand.get("decode_graph"), "decode_tokens": cand.get("decode", {}).get("tokens"),
+            "kernel_branches": record["run"].get("kernel_branches"),
+            "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="default,int8x,large")
+    ap.add_argument("--levels", default="block,model")
+    ap.add_argument("--dtypes", default="bfloat16")
+    ap.add_argument("--decode-steps", type=int, default=2)
+    ap.add_argument("--budget-s", type=float, default=400.0)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_parity_h200.json"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_parity: no CUDA device")
+    start, runs, skipped = time.perf_counter(), [], []
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0),
+           "python": platform.python_version()}
+    for name in args.models.split(","):
+        if time.perf_counter() - start > args.budget_s:
+            skipped.append(name)
+            print(f"{name}: skipped, past the {args.budget_s:.0f} s budget", flush=True)
+            continue
+        path, made = model_dir(name)
+        for level in args.levels.split(","):
+            for dtype in args.dtypes.split(","):
+                try:
+                    r = run(path, level, dtype, args.decode_steps)
+                except Exception as exc:  # noqa: BLE001 - recorded, the other runs go on
+                    r = {"model": name, "level": level, "dtype": dtype, "passed": False, "error": repr(exc)[:2000]}
+                r.update(label=name, fixture_generation_s=made)
+                runs.append(r)
+                print(json.dumps({k: r.get(k) for k in ("label", "level", "dtype", "mode", "passed", "taps", "wall_s",
+                                                        "candidate_phases_s", "failing", "error")}), flush=True)
+                Path(args.out).write_text(json.dumps({"env": env, "runs": runs, "skipped": skipped}, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps({"env": env, "runs": runs, "skipped": skipped}, indent=1) + "\n")
+    if not all(r["passed"] for r in runs):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Decode steps of the ``kernels`` candidate on the CPU: its prefill and greedy decode steps on a static KV cache,
+each step's taps dumped as the engine's are and compared with the reference over the prompt and its tokens."""
+
+import pytest
+import torch
+
+from vllm_parity.harness.session import Options, ParitySession
+
+FEW_ROWS = 8  # the default's decode steps run one row, its prefills 64
+
+
+def _run(tmp_path, **opts) -> ParitySession:
+    return ParitySession(Options(candidate="kernels", report_dir=str(tmp_path / "report"),
+                                 snapshot_dir=str(tmp_path / "snap"), root=str(tmp_path), **opts))
+
+
+def _judged(s: ParitySession):
+    try:
+        return s.judgement(), s.record().as_dict()
+    finally:
+        s.finish()
+
+
+def test_kernel_candidate_passes_prefill_and_decode_steps(tmp_path):
+    s = _run(tmp_path, level="block", decode_steps=2)
+    assert s.why_no_decode() is None and s.decode_steps == 2
+    judgement, record = _judged(s)
+    assert judgement.taps and all(r.verdict for r in judgement.taps), [r.name for r in judgement.taps if not r.verdict]
+    assert {(r.phase, r.step) for r in judgement.taps} == {("prefill", None), ("decode", 0), ("decode", 1)}
+    assert record["run"]["decode_steps"] == 2 and "decode_skipped" not in record["run"]
+    # the torch backend on the CPU: one kernel for every row count, recorded at each phase
+    assert record["run"]["kernel_branches"]["exercised"] == {"prefill": ["torch"], "decode": ["torch"]}
+
+
+def test_isolated_decode_runs_the_propagated_tokens(tmp_path):
+    """bf16 is judged isolated: every layer fed the reference's input at each step, decoding the tokens the
+    propagated run sampled."""
+    s = _run(tmp_path, level="block", decode_steps=1, dtype="bfloat16")
+    assert s.mode == "isolated"
+    try:
+        capture = s.capture()
+        judgement = s.judgement()
+    finally:
+        s.finish()
+    assert capture.isolated.manifest["decode"]["tokens"] == capture.candidate.manifest["decode"]["tokens"]
+    assert len(capture.steps) == 1 and capture.steps[0].isolated is not None
+    assert all(r.verdict for r in judgement.taps), [r.name for r in judgement.taps if not r.verdict]
+
+
+def test_fault_of_the_few_rows_branch_is_localized_to_its_decode_step(tmp_path):
+    """Layer 1's down projection doubles output channel 5 only when few rows reach it (a decode-only branch): its
+    tap fails at decode step 0 and is the source, and the prefill passes."""
+    s = _run(tmp_path, level="block", decode_steps=2)
+    down = s._kernel_model().get_submodule("model.layers.1.mlp.down_proj")
+    plain = down.forward
+
+    def faulty(x):
+        y = plain(x)
+        if x.numel() // x.shape[-1] <= FEW_ROWS:
+            y[..., 5] *= 2
+        return y
+    down.forward = faulty
+    judgement, _ = _judged(s)
+    sources = {(r.name, r.step) for r in judgement.taps if r.role == "source"}
+    assert sources == {("layers.1.mlp.down", 0)}, sources
+    assert all(r.verdict for r in judgement.taps if r.phase == "prefill")
+    assert not judgement.phases("layers.1.mlp.down")[1].verdict
+
+
+def test_decode_capture_refuses_what_it_cannot_run(tmp_path):
+    from vllm_parity.harness import kernel_decode
+
+    s = ParitySession(Options(candidate="kernels"))
+    model = s._kernel_model()
+    with pytest.raises(ValueError, match="needs the model on CUDA"):
+        kernel_decode.capture(model, s.arch, s.prompts[:1], tmp_path / "a", decode_steps=1, graph=True)
+    with pytest.raises(ValueError, match="forced tokens: 2 for each of 1 prompts"):
+        kernel_decode.capture(model, s.arch, s.prompts[:1], tmp_path / "b", decode_steps=2, forced=[[1]])
+    with pytest.raises(ValueError, match="needs the reference's dump of the prefill and of each step"):
+        kernel_decode.capture(model, s.arch, s.prompts[:1], tmp_path / "c", decode_steps=1, isolate_from=[])
+
+
+def test_kernel_choice_follows_the_kernel_linear(monkeypatch):
+    """The recorded kernel is the one the linear runs: the ternary choice from choose.py for the call's rows."""
+    from vllm_parity.harness.kernel_candidate import kernel_for, kernels_of
+
+    s = ParitySession(Options(candidate="kernels"))
+    q = s._kernel_model().get_submodule("model.layers.0.self_attn.q_proj")
+    cpu = torch.device("cpu")
+    assert kernel_for(q, 1, torch.float32, cpu) == "torch" and kernels_of(q, torch.float32, cpu) == ["torch"]
+    monkeypatch.setenv("PARITY_KERNEL_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert [kernel_for(q, m, torch.float32, cpu) for m in (1, 2)] == ["triton_gemv", "triton_mm"]
+    assert kernels_of(q, torch.float32, cpu) == ["triton_gemv", "triton_mm"]
+    assert kernel_for(torch.nn.Linear(2, 2), 1, torch.float32, cpu) is None
