@@ -637,20 +637,6 @@ class ParitySession:
                 self._tmp.cleanup()
 
 
-def _greedy(model, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-    """``n`` greedy tokens after ``ids``, and the logits each was chosen from."""
-    x = torch.tensor([ids])
-    out, steps = [], []
-    with torch.no_grad():
-        for _ in range(n):
-            row = model(x, use_cache=False).logits[0, -1].float()
-            nxt = int(row.argmax())
-            out.append(nxt)
-            steps.append(row)
-            x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
-    return out, steps
-
-
 def _greedy_batch(model, prompts: list[list[int]], n: int) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """``n`` greedy tokens after each prompt, and the logits each was chosen from: every prompt in one forward a
     token (right-padded: under the causal mask no prompt's last row sees a padded one)."""
