@@ -7,10 +7,12 @@ timings (the candidate's prefill and decode phases apart, the graph's capture), 
 the peak GPU memory.
 
     python benchmarks/gpu_parity.py [--models default,large,int8x] [--levels block,model] [--dtypes bfloat16]
-                                    [--decode-steps 2] [--budget-s 400] [--out FILE]
+                                    [--decode-steps 2] [--budget-s 400] [--prompts branches] [--out FILE]
 
 ``large`` is ``harness.py``'s 1.2B seed-article fixture (LARGE), ``int8x`` an int8x fixture of the default's
 dims; both are generated into the fixture cache on first use. Runs past ``--budget-s`` are skipped (said so).
+The prompts (``--prompts branches``, the default) are three of 8, 224 and 400 tokens, so that the prefills, each
+run alone, take every row-count branch of the ternary dispatch; each run's ``kernel_branches`` says which ran.
 """
 
 from __future__ import annotations
@@ -49,7 +51,23 @@ def model_dir(name: str) -> tuple[str | None, float]:
     return str(path), time.perf_counter() - t0
 
 
-def run(model: str | None, level: str, dtype: str, decode_steps: int, device: str = "cuda") -> dict:
+def branch_prompts(model: str | None, decode_steps: int, seed: int = 0) -> list[list[int]]:
+    """Three prompts whose prefills, each run alone, take every row-count branch of the ternary CUDA dispatch
+    (kernels/choose.py: up to MMA_MAX_M rows, between, from DEQUANT_MIN_M), the decode steps taking one row."""
+    from vllm_parity.fixtures.default_model import default_model_dir
+    from vllm_parity.serving.choose import DEQUANT_MIN_M, MMA_MAX_M
+
+    config = json.loads((Path(model or default_model_dir()) / "config.json").read_text())
+    lens = [8, (MMA_MAX_M + DEQUANT_MIN_M) // 2, DEQUANT_MIN_M + 16]
+    if lens[-1] + decode_steps > config["max_position_embeddings"]:
+        raise SystemExit(f"gpu_parity: the branch prompts need {lens[-1] + decode_steps} positions, the model has "
+                         f"{config['max_position_embeddings']}")
+    gen = torch.Generator().manual_seed(seed)
+    return [[1] + torch.randint(2, config["vocab_size"], (n - 1,), generator=gen).tolist() for n in lens]
+
+
+def run(model: str | None, level: str, dtype: str, decode_steps: int, device: str = "cuda",
+        prompts: str | None = None) -> dict:
     from vllm_parity.harness.session import Options, ParitySession
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -57,7 +75,7 @@ def run(model: str | None, level: str, dtype: str, decode_steps: int, device: st
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         s = ParitySession(Options(model=model, level=level, candidate="kernels", device=device, dtype=dtype,
-                                  decode_steps=decode_steps, report_dir=f"{tmp}/report",
+                                  decode_steps=decode_steps, prompts=prompts, report_dir=f"{tmp}/report",
                                   snapshot_dir=f"{tmp}/snap", root=tmp, command=["benchmarks/gpu_parity.py"]))
         try:
             capture = s.capture()
@@ -72,7 +90,9 @@ def run(model: str | None, level: str, dtype: str, decode_steps: int, device: st
         name = "prefill" if r.phase == "prefill" else f"decode{r.step}"
         phases[name] = phases.get(name, 0) + 1
     cand = capture.candidate.manifest
+    lens = [len(p) for p in json.loads(Path(prompts).read_text())] if prompts else None
     return {"model": record["run"]["model"], "format": record["run"]["format"], "level": level, "dtype": dtype,
+            "prompt_lengths": lens,
             "mode": record["run"]["mode"], "passed": all(r.verdict for r in judgement.taps) and all(checks.values()),
             "checks": checks, "taps": phases,
             "failing": sorted({f"{r.name}@{r.phase}{'' if r.step is None else r.step}"
@@ -90,6 +110,9 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--decode-steps", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=400.0)
+    ap.add_argument("--prompts", default="branches",
+                    help="branches (default: three prompts taking every kernel branch), default (the harness's "
+                         "prompt set) or a prompt file")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_parity_h200.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -103,16 +126,21 @@ def main() -> None:
             print(f"{name}: skipped, past the {args.budget_s:.0f} s budget", flush=True)
             continue
         path, made = model_dir(name)
+        prompts = None if args.prompts == "default" else args.prompts
+        if args.prompts == "branches":
+            prompts = str(Path(tempfile.mkdtemp()) / "branches.json")
+            Path(prompts).write_text(json.dumps(branch_prompts(path, args.decode_steps)))
         for level in args.levels.split(","):
             for dtype in args.dtypes.split(","):
                 try:
-                    r = run(path, level, dtype, args.decode_steps)
+                    r = run(path, level, dtype, args.decode_steps, prompts=prompts)
                 except Exception as exc:  # noqa: BLE001 - recorded, the other runs go on
                     r = {"model": name, "level": level, "dtype": dtype, "passed": False, "error": repr(exc)[:2000]}
                 r.update(label=name, fixture_generation_s=made)
                 runs.append(r)
                 print(json.dumps({k: r.get(k) for k in ("label", "level", "dtype", "mode", "passed", "taps", "wall_s",
-                                                        "candidate_phases_s", "failing", "error")}), flush=True)
+                                                        "candidate_phases_s", "kernel_branches", "failing",
+                                                        "error")}), flush=True)
                 Path(args.out).write_text(json.dumps({"env": env, "runs": runs, "skipped": skipped}, indent=1) + "\n")
     Path(args.out).write_text(json.dumps({"env": env, "runs": runs, "skipped": skipped}, indent=1) + "\n")
     if not all(r["passed"] for r in runs):

@@ -130,9 +130,11 @@ def test_an_isolated_run_with_both_features_passes(tmp_path):
     try:
         judgement = s.judgement()
         capture = s.capture()
+        run = s.record().run
     finally:
         s.finish()
     assert not [t.label for t in judgement.taps if not t.verdict]
+    assert run["schedule"]["prefix_cached"] == [32] * 4 and run["schedule"]["engine_features"]["prefix_caching"]
     assert len({t.step for t in judgement.taps}) == 3  # the prefill and both decode steps
     for dump in (capture.candidate, capture.isolated):
         assert dump.manifest["engine_features"] == {"chunked_prefill": CHUNK, "prefix_caching": True}

@@ -3,7 +3,7 @@ prompts allow it, and why a branch stays untaken."""
 
 import pytest
 
-from vllm_parity.harness.report import describe_branches
+from vllm_parity.harness.report import describe_branches, describe_schedule
 from vllm_parity.harness.schedule import kernel_ranges, plan_waves, splits, why_untaken
 from vllm_parity.serving import choose
 
@@ -57,6 +57,16 @@ def test_many_prompts_try_waves_of_consecutive_lengths():
     assert plan_waves(lens, 1, _triton, ["triton_gemv", "triton_mm"])[0] == [[0], list(range(1, 12))]
 
 
+def test_the_schedule_is_said_in_one_line():
+    """A run's waves, the positions the prefix cache served and the forwards each chunked prefill took."""
+    assert describe_schedule(None) == ""
+    assert describe_schedule({"waves": [[0, 1, 2, 3]]}) == "1 wave: [0, 1, 2, 3]"
+    both = {"waves": [[0, 1, 2, 3]], "prefix_cached": [32, 32, 0, 32], "prefill_chunks": [2, 2, 3, 2],
+            "engine_features": {"chunked_prefill": 24, "prefix_caching": True}}
+    assert describe_schedule(both) == ("1 wave: [0, 1, 2, 3]; prefix caching: 32, 32, 0, 32 positions from the "
+                                       "cache; chunked prefill (24 tokens a step): 2, 2, 3, 2 forwards")
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_the_engine_runs_the_waves_and_reports_untaken_branches(tmp_path):
@@ -87,6 +97,9 @@ def test_the_engine_runs_the_waves_and_reports_untaken_branches(tmp_path):
     assert not [t.label for t in judgement.taps if not t.verdict]
     for dump in (capture.candidate, capture.isolated):
         assert dump.manifest["waves"] == [[0], [1, 2, 3]]
+    assert run["schedule"] == {"waves": [[0], [1, 2, 3]],
+                               "engine_features": {"chunked_prefill": 0, "prefix_caching": False}}
+    assert describe_schedule(run["schedule"]) == "2 waves: [0] then [1, 2, 3]"
     assert capture.isolated.manifest["decode"]["tokens"] == capture.candidate.manifest["decode"]["tokens"]
     down = judgement.phases("layers.0.mlp.down")
     assert [(r.phase, r.kernels) for r in down] == [("prefill", ["many_rows"]), ("decode", ["many_rows", "one_row"]),

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from vllm_parity.harness import plots
-from vllm_parity.harness.report import describe_branches, describe_separation, tap_key
+from vllm_parity.harness.report import describe_branches, describe_schedule, describe_separation, tap_key
 
 # (header, key for #sort=, the value of a tap dict); a number sorts as one, None sorts last
 COLUMNS: tuple[tuple[str, str, Any], ...] = (
@@ -140,6 +140,7 @@ def _summary(report: dict) -> tuple[str, str]:
             ("model sha256", run.get("model_sha256")),
             ("decode steps", run.get("decode_steps")),
             ("kernel branches", describe_branches(run.get("kernel_branches"))),
+            ("schedule", describe_schedule(run.get("schedule"))),
             ("versions", " · ".join(f"{k} {v}" for k, v in (run.get("versions") or {}).items())),
             ("timings", " · ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in (run.get("timings") or {}).items()
                                    if isinstance(v, (int, float))))]

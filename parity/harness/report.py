@@ -116,6 +116,22 @@ def describe_branches(branches: dict[str, Any] | None) -> str:
     return f"exercised {ran}; not exercised: {untaken or 'none'}"
 
 
+def describe_schedule(schedule: dict[str, Any] | None) -> str:
+    """How the engine ran a run's requests (its ``schedule``), as one line: the waves, the positions the prefix
+    cache served each prompt and the forwards each chunked prefill took ("" where the run says none)."""
+    if not schedule or not schedule.get("waves"):
+        return ""
+    waves = schedule["waves"]
+    parts = [f"{len(waves)} wave{'s' if len(waves) > 1 else ''}: " + " then ".join(str(w) for w in waves)]
+    if "prefix_cached" in schedule:
+        parts.append(f"prefix caching: {', '.join(map(str, schedule['prefix_cached']))} positions from the cache")
+    if "prefill_chunks" in schedule:
+        tokens = (schedule.get("engine_features") or {}).get("chunked_prefill")
+        parts.append(f"chunked prefill{f' ({tokens} tokens a step)' if tokens else ''}: "
+                     f"{', '.join(map(str, schedule['prefill_chunks']))} forwards")
+    return "; ".join(parts)
+
+
 def fmt(v: Any, none: str = "—", spec: str = ".3g") -> str:
     """A report's value as text: floats to ``spec``, None as ``none``."""
     if v is None:
@@ -137,6 +153,10 @@ def markdown(report: dict) -> str:
     sep = describe_separation(report.get("separation"))
     if sep:
         lines += ["", f"Separation: {sep}."]
+    for label, text in (("Kernel branches", describe_branches(run.get("kernel_branches"))),
+                        ("Schedule", describe_schedule(run.get("schedule")))):
+        if text:
+            lines += ["", f"{label}: {text}."]
     for h in report["hints"]:
         lines += ["", f"- hint `{h['tap']}` ({h['kind']}): {h['evidence']} — {h['fix']}"]
     lines += ["", "| tap | level | token rel | token_rtol | min row_rtol | row_rtol | max_abs | isolated max_abs | "

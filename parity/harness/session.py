@@ -607,6 +607,11 @@ class ParitySession:
             run["kernel_branches"] = kernel_branches(judgement.taps,
                                                      capture.candidate.manifest.get("kernel_branches", {}),
                                                      capture.candidate.manifest.get("kernel_untaken"))
+        manifest = capture.candidate.manifest if capture is not None else {}
+        schedule = {k: manifest[k] for k in ("waves", "prefix_cached", "prefill_chunks", "engine_features")
+                    if k in manifest}
+        if schedule:
+            run["schedule"] = schedule
         if skipped := self.why_no_decode():
             run["decode_skipped"] = skipped
         if self._golden is not None:

@@ -3,7 +3,7 @@ with their hints, the separation, goldens, where the report and the snapshot are
 
 from __future__ import annotations
 
-from vllm_parity.harness.report import describe_branches, describe_separation
+from vllm_parity.harness.report import describe_branches, describe_schedule, describe_separation
 from vllm_parity.harness.session import Finished
 
 RED, YELLOW = {"red": True}, {"yellow": True}
@@ -37,6 +37,9 @@ def lines(finished: Finished | None, failures: list[tuple[str, str]]) -> list[tu
         branches = describe_branches(record.run.get("kernel_branches"))
         if branches:
             out.append((f"kernel branches: {branches}", {}))
+        schedule = describe_schedule(record.run.get("schedule"))
+        if schedule:
+            out.append((f"schedule: {schedule}", {}))
         unused = record.run.get("unused_golden_taps") or []
         if unused:
             out.append((f"unused golden taps (no comparison read them): {unused[:10]}"
