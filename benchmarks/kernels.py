@@ -478,6 +478,50 @@ def int8x_native_rows(q: torch.Tensor, tensors: dict, stream_bytes: int, copy_gb
     return rows
 
 
+def int8x_planes_rows(copy_gbps: float) -> list[dict]:
+    """The planes layout (5-bit plane + fixup records, kernels/int8x_planes.py) at both target shapes on the seed
+    level mix and on round(N(0, 2.5^2)): the tensor-core GEMV at M = 1 and 16 (bf16 x) and the decode to a dense
+    bf16 weight, its copies rotated over 256 MiB, against torch bf16 F.linear measured beside it."""
+    from vllm_parity.fixtures.weights import gaussian, seed_mix
+    from vllm_parity.serving import int8x_planes, int8x_planes_cuda
+
+    if not int8x_planes_cuda.available():
+        return [dict(kernel="int8x_planes", error="no nvcc: the planes kernels cannot be built")]
+    rows = []
+    for (k, n), dist in itertools.product([(4096, 14336), (14336, 4096)], ("seed-mix", "gaussian-2.5")):
+        q = seed_mix(n, k, seed=3) if dist == "seed-mix" else gaussian(n, k, 2.5, seed=3)
+        base = int8x_planes.pack(q, torch.tensor([0.01])).to("cuda")
+        layouts, next_layout = rotating(lambda: base._replace(**{name: getattr(base, name).clone() for name in
+                                                                 int8x_planes.TENSORS}), base.nbytes)
+        wb = (q.to(torch.float32) * 0.01).to(torch.bfloat16).cuda()
+        copies, next_wb = rotating(lambda: wb.clone(), wb.numel() * 2, cap=32)
+        info = dict(K=k, N=n, dist=dist, dtype="bfloat16", bits_per_weight=round(base.bits_per_weight, 4),
+                    fixups=base.fixups, baseline="torch_bf16_linear")
+        base_us = None
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            base_us = graph_us(lambda: F.linear(x, next_wb()), len(copies))
+            us = graph_us(lambda: int8x_planes_cuda.linear(x, next_layout()), len(layouts))
+            moved = base.nbytes + (k + n) * 2 * m
+            rows.append(dict(kernel="int8x_planes_linear_cuda", M=m, median_us=round(us, 3),
+                             gbps=round(moved / us / 1e3, 1), bw_frac=round(moved / us / 1e3 / copy_gbps, 4),
+                             baseline_us=round(base_us, 3), speedup=round(base_us / us, 3), **info))
+        out = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+        us = graph_us(lambda: int8x_planes_cuda.decode(next_layout(), torch.bfloat16, out), len(layouts))
+        moved = base.nbytes + n * k * 2
+        rows.append(dict(kernel="int8x_planes_decode_cuda", M=0, median_us=round(us, 3),
+                         gbps=round(moved / us / 1e3, 1), bw_frac=round(moved / us / 1e3 / copy_gbps, 4),
+                         baseline_us=round(base_us, 3), speedup=round(base_us / us, 3),
+                         bytes="layout read + bf16 weight written", **info))
+        del layouts, copies
+    for r in rows:
+        if "error" not in r:
+            print(f"  {r['kernel']:26s} K={r['K']:5d} N={r['N']:5d} M={r['M']:2d} {r['dist']:12s} "
+                  f"{r['bits_per_weight']:.3f} b/w {r['median_us']:9.2f} us ({r['bw_frac']:.2f} of copy)  "
+                  f"bf16 linear {r['baseline_us']:8.2f} us  x{r['speedup']:.2f}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "kernels_h200.json"))
@@ -486,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-triton", action="store_true", help="also sweep Triton block sizes at the targets")
     ap.add_argument("--floor", action="store_true", help="also time near-empty calls in the same harness")
     ap.add_argument("--only-int8x", action="store_true", help="INT8-X rows only")
+    ap.add_argument("--only-int8x-planes", action="store_true", help="the INT8-X planes layout's rows only")
     ap.add_argument("--ms", default=None, help="comma-separated M values (default: all, or 1,16,512 with --quick)")
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA extension kernels")
     ap.add_argument("--no-int8x", action="store_true", help="skip the INT8-X rows")
@@ -515,6 +560,13 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(4096, 14336), (14336, 4096)] if args.quick else SHAPES
     ms = [int(v) for v in args.ms.split(",")] if args.ms else [1, 16, 512] if args.quick else MS
     result = dict(header=header, rows=[], sweep=[], int8x=[], floor=[], eager=[])
+    if args.only_int8x_planes:
+        result["int8x"] = int8x_planes_rows(copy_gbps)
+        header["seconds"] = round(time.time() - t0, 1)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+        return 0
     if args.floor:
         result["floor"] = floor_rows()
     if "cuda_mma" in kernels and not args.only_int8x:
@@ -539,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_int8x and Path("kernels/int8x_ops.py").exists() and Path("kernels/int8x_triton.py").exists():
         try:
             result["int8x"] = int8x_rows(copy_gbps)
+            result["int8x"] += int8x_planes_rows(copy_gbps)
         except Exception as exc:
             result["int8x"] = [dict(error=f"{type(exc).__name__}: {exc}"[:500])]
             print(f"int8x: FAILED {exc}", file=sys.stderr)

@@ -8,7 +8,7 @@ import this one freely.
 
 Environment: ``PARITY_KERNEL_BACKEND`` (:data:`ENV_BACKEND`) = ``torch | triton | cuda | auto`` for both
 formats, a backend argument winning over it; ``PARITY_INT8X_LAYOUT`` (:data:`ENV_INT8X_LAYOUT`) =
-``auto | native | streams``.
+``auto | native | planes | streams``.
 
 ternary (kernels/ternary_ops.py; the op ``vllm_parity::ternary_linear`` runs the kernel it is named)
     backend, :func:`ternary_backend`: the argument, else the environment, else ``auto`` on CUDA and ``torch``
@@ -32,7 +32,9 @@ ternary (kernels/ternary_ops.py; the op ``vllm_parity::ternary_linear`` runs the
 
 int8x (kernels/int8x_ops.py: the stored streams; kernels/int8x_native.py: the native layout; kernels/vllm/int8x.py)
     layout, :func:`int8x_layout`: ``auto`` (default) serves the native layout where it takes no more memory
-    than the streams (``int8x_native.fits``), ``native`` always, ``streams`` never.
+    than the streams (``int8x_native.fits``), else the planes layout (kernels/int8x_planes.py) where it takes
+    less than the streams, else the streams; ``native`` / ``planes`` always that layout, ``streams`` never a
+    repacked one.
     streams backend, :func:`int8x_backend` (:data:`INT8X_BACKENDS`): the argument, else the environment, else
     ``auto``; ``auto`` = ``cuda`` on CUDA tensors where nvcc builds csrc/int8x.cu (``int8x_cuda.available()``),
     ``triton`` on other CUDA tensors, ``torch`` elsewhere; ``cuda`` needs CUDA tensors. The ops resolve the
@@ -46,6 +48,11 @@ int8x (kernels/int8x_ops.py: the stored streams; kernels/int8x_native.py: the na
     native kernel, :func:`int8x_native_kernel` (:data:`INT8X_NATIVE_KERNELS`): ``torch`` on backend ``torch``;
     on ``triton``, ``triton_gemv`` for M <= INT8X_NATIVE_GEMV_MAX_M, else ``triton_gemm`` (the weight decoded
     once, then the dense GEMM).
+    planes backend, :func:`int8x_planes_op_backend` (:data:`INT8X_PLANES_BACKENDS`): ``torch`` or ``cuda``
+    (csrc/int8x_planes.cu); ``auto`` = ``cuda`` on CUDA tensors where nvcc builds it, else ``torch``.
+    planes kernel, :func:`int8x_planes_kernel` (:data:`INT8X_PLANES_KERNELS`): ``torch`` on backend
+    ``torch``; on ``cuda``, ``cuda_gemv`` (tensor-core decode-GEMV) for M <= INT8X_PLANES_GEMV_MAX_M, else
+    ``cuda_gemm`` (the weight decoded once, then the dense GEMM).
 """
 
 from __future__ import annotations
@@ -156,7 +163,7 @@ def ternary_tiles_kernel(m: int, dtype: torch.dtype | None, group_size: int) -> 
 # -- int8x ------------------------------------------------------------------------------------------
 
 INT8X_BACKENDS = ("torch", "triton", "cuda", "auto")
-INT8X_LAYOUTS = ("auto", "native", "streams")
+INT8X_LAYOUTS = ("auto", "native", "planes", "streams")
 # Above this many rows of x the vLLM method decodes the streams once and runs a dense GEMM; up to it, the
 # fused decode-GEMV op.
 INT8X_GEMM_MIN_M = 16
@@ -207,7 +214,7 @@ def int8x_uses_gemm(m: int) -> bool:
 
 
 def int8x_layout() -> str:
-    """``PARITY_INT8X_LAYOUT`` (default ``auto``), checked: ``auto``, ``native`` or ``streams``."""
+    """``PARITY_INT8X_LAYOUT`` (default ``auto``), checked: ``auto``, ``native``, ``planes`` or ``streams``."""
     choice = os.environ.get(ENV_INT8X_LAYOUT) or "auto"
     if choice not in INT8X_LAYOUTS:
         raise ValueError(f"{ENV_INT8X_LAYOUT} = {choice!r}, expected one of {INT8X_LAYOUTS}")
@@ -235,3 +242,39 @@ def int8x_native_kernel(backend: str, m: int) -> str:
     if backend != "triton":
         return "torch"
     return "triton_gemv" if m <= INT8X_NATIVE_GEMV_MAX_M else "triton_gemm"
+
+
+INT8X_PLANES_BACKENDS = ("torch", "cuda", "auto")
+INT8X_PLANES_KERNELS = ("torch", "cuda_gemv", "cuda_gemm")
+# Up to this many rows of x the planes layout runs its fused decode-GEMV (one pass over the weight serves 16
+# rows on the tensor cores); above, the weight is decoded once and the dense GEMM runs.
+INT8X_PLANES_GEMV_MAX_M = 16
+
+
+def int8x_planes_op_backend(backend: str, device: torch.device) -> str:
+    """The backend the planes layout's op runs on, from the one it was given: ``torch`` or ``cuda``."""
+    if backend not in INT8X_PLANES_BACKENDS:
+        raise ValueError(f"int8x_planes_linear: backend {backend!r}, expected one of {INT8X_PLANES_BACKENDS}")
+    if backend == "auto":
+        if device.type != "cuda":
+            return "torch"
+        from vllm_parity.serving import int8x_planes_cuda
+
+        return "cuda" if int8x_planes_cuda.available() else "torch"
+    if backend == "cuda" and device.type != "cuda":
+        raise ValueError(f"int8x_planes_linear: backend 'cuda' needs CUDA tensors, got {device}; use 'torch'")
+    return backend
+
+
+def int8x_planes_backend(backend: str | None, device: torch.device) -> str:
+    """The planes op's backend from a requested int8x backend (or ``PARITY_KERNEL_BACKEND``): ``torch`` stays,
+    anything else is ``auto`` (the layout has no Triton kernel)."""
+    chosen = backend or os.environ.get(ENV_BACKEND) or "auto"
+    return "torch" if chosen == "torch" else "auto"
+
+
+def int8x_planes_kernel(backend: str, m: int) -> str:
+    """The planes layout's kernel on a resolved backend (``torch`` or ``cuda``) for ``m`` rows of x."""
+    if backend != "cuda":
+        return "torch"
+    return "cuda_gemv" if m <= INT8X_PLANES_GEMV_MAX_M else "cuda_gemm"

@@ -16,7 +16,8 @@ def build(name: str) -> str:
     return f"{name}: built in {time.time() - t:.0f} s"
 
 
-names = [n for n in ("vllm_parity.serving.ternary_cuda", "vllm_parity.serving.int8x_cuda") if importlib.util.find_spec(n)]
+names = [n for n in ("vllm_parity.serving.ternary_cuda", "vllm_parity.serving.int8x_cuda",
+                     "vllm_parity.serving.int8x_planes_cuda") if importlib.util.find_spec(n)]
 with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
     for line in pool.map(build, names):
         print(line, flush=True)

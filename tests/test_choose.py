@@ -305,7 +305,7 @@ def test_int8x_layout(monkeypatch):
         assert choose.int8x_layout() == layout
     monkeypatch.setenv(choose.ENV_INT8X_LAYOUT, "dense")
     with pytest.raises(ValueError, match=re.escape("PARITY_INT8X_LAYOUT = 'dense', expected one of "
-                                                   "('auto', 'native', 'streams')")):
+                                                   "('auto', 'native', 'planes', 'streams')")):
         choose.int8x_layout()
 
 

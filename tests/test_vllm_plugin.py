@@ -319,21 +319,22 @@ def test_greedy_and_prompt_logprobs_match_reference(runs, name):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_int8x_native_layout_matches_reference(runs, checkpoints, prompts, monkeypatch):
-    """PARITY_INT8X_LAYOUT=native: every int8x container repacked to 4-bit codes + outliers at load (the
-    fixture's wide weights keep their streams under the default), same outputs as the fp32 reference."""
+@pytest.mark.parametrize("layout", ["native", "planes"])
+def test_int8x_repacked_layouts_match_reference(runs, checkpoints, prompts, monkeypatch, layout):
+    """PARITY_INT8X_LAYOUT=native (4-bit codes + outliers) or planes (a 5-bit plane + fixup records): every int8x
+    container repacked at load into that layout, same outputs as the fp32 reference."""
     from vllm_parity.harness.engine import close_llm, generate, make_llm
 
-    monkeypatch.setenv("PARITY_INT8X_LAYOUT", "native")
+    monkeypatch.setenv("PARITY_INT8X_LAYOUT", layout)
     llm = make_llm(checkpoints("int8x"), max_model_len=128)
     try:
-        layouts = llm.apply_model(lambda model: sorted({layout for m in model.modules()
-                                                        for layout in getattr(m, "parity_native", [])}))
+        layouts = llm.apply_model(lambda model: sorted({kind for m in model.modules()
+                                                        for kind in getattr(m, "parity_layout", [])}))
         got = vllm_run(generate(llm, prompts, MAX_TOKENS, logprobs=TOP_K, prompt_logprobs=TOP_K))
     finally:
         close_llm(llm)
-    assert layouts == [[True]], "every int8x container in the native layout"
-    assert_parity(runs("ref", "int8x"), got, "int8x native layout")
+    assert layouts == [[layout]], f"every int8x container in the {layout} layout"
+    assert_parity(runs("ref", "int8x"), got, f"int8x {layout} layout")
 
 
 def ternary_variants(count: int, seed: int) -> list[tuple[TernarySpec, str]]:

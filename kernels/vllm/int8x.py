@@ -1,6 +1,6 @@
 """``quant_method: int8x`` (FORMATS.md section 2) in vLLM: the config and the linear method, which loads
 the streams strictly, validates them once (the serving side's own decoder) and serves the native layout
-where it fits, else the streams."""
+where it fits, else the planes layout where it is smaller than the streams, else the streams."""
 
 from __future__ import annotations
 
@@ -11,13 +11,29 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_parity.errors import CheckpointError, DecodeError, FormatError
 from vllm_parity.reference.formats.int8x import Int8xSpec
-from vllm_parity.serving import choose, int8x_native, int8x_ops
+from vllm_parity.serving import choose, int8x_native, int8x_ops, int8x_planes
 from vllm_parity.serving.int8x_load import DTYPES as INT8X_DTYPES
 from vllm_parity.serving.int8x_load import decode_streams
 from vllm_parity.serving.vllm.common import LoadTracker, ParityQuantConfig, Shard, _file_of, _release, \
     _shard_index, layer_shards
 
 NATIVE_TENSORS = ("codes", "row_ptr", "outliers", "scale")
+PLANES_TENSORS = int8x_planes.TENSORS
+
+
+def _repack(q: torch.Tensor, streams: dict[str, torch.Tensor]):
+    """The layout a validated tensor set is served in: ``("native", Int8xNative)``, ``("planes", Int8xPlanes)``
+    or ``("streams", None)``, by ``PARITY_INT8X_LAYOUT`` (kernels/choose.py: ``auto`` tries native, then planes)."""
+    choice = choose.int8x_layout()
+    if choice in ("auto", "native"):
+        native = int8x_native.for_serving(q, streams)
+        if native is not None:
+            return "native", native
+    if choice in ("auto", "planes"):
+        planes = int8x_planes.for_serving(q, streams, choice)
+        if planes is not None:
+            return "planes", planes
+    return "streams", None
 
 
 def _fixed_shape(suffix: str, n: int, k: int, spec: Int8xSpec) -> tuple[int, ...] | None:
@@ -37,10 +53,12 @@ class Int8xLinearMethod(LinearMethodBase):
     container (filled when the loader sees it, as vLLM's GGUF support does) and ``apply`` runs one op
     per container. Tensor parallelism is refused: a shard would have to be decoded and re-encoded.
     At load each container is repacked into the native layout (4-bit codes + outliers,
-    kernels/int8x_native.py) where that takes no more memory, else served from its streams
+    kernels/int8x_native.py) where that takes no more memory, else into the planes layout (5-bit plane +
+    fixup records, kernels/int8x_planes.py) where that takes less, else served from its streams
     (``PARITY_INT8X_LAYOUT`` overrides). Backends and kernels are chosen by ``vllm_parity.serving.choose``:
     for many rows of x (``choose.int8x_uses_gemm``) the streams are decoded once and a dense GEMM runs, else
-    the fused decode-GEMV op; weights in the native layout go through its op, which decides likewise.
+    the fused decode-GEMV op; weights in the native and planes layouts go through their ops, which decide
+    likewise (planes on CUDA: the tensor-core GEMV up to 16 rows, decode + GEMM above; on CPU the torch path).
     """
 
     def __init__(self, spec: Int8xSpec, modules: list[str]):
@@ -86,7 +104,7 @@ class Int8xLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer) -> None:
         layer.parity_tracker.check_complete()
-        natives = []
+        layouts = []
         for shard, streams in zip(layer.parity_tracker.shards, layer.parity_streams):
             # Full validation once, naming <module>.<suffix>; the ops trust their input afterwards.
             try:
@@ -94,21 +112,24 @@ class Int8xLinearMethod(LinearMethodBase):
             except (FormatError, DecodeError) as exc:
                 tensor = str(exc).split(":", 1)[0]
                 raise CheckpointError(f"{_file_of(layer.parity_tracker.model_dir, tensor)}: {exc}") from None
-            natives.append(int8x_native.for_serving(q, streams))
+            layouts.append(_repack(q, streams))
         layer.parity_shapes = [(s.n, s.k) for s in layer.parity_tracker.shards]
         layer.parity_n = sum(n for n, _ in layer.parity_shapes)
         device = layer.parity_streams[0]["weight_b1"].device
         layer.parity_backend = choose.int8x_vllm_backend(device)
         layer.parity_native_backend = choose.int8x_native_backend(None, device)
-        layer.parity_native = [native is not None for native in natives]
+        layer.parity_planes_backend = choose.int8x_planes_backend(None, device)
+        layer.parity_layout = [kind for kind, _ in layouts]
+        layer.parity_native = [kind == "native" for kind in layer.parity_layout]
         _release(layer, Int8xSpec.suffixes)
         # Buffers, so that moving the module moves the weights with it; the load-time dicts go.
-        for i, (streams, native) in enumerate(zip(layer.parity_streams, natives)):
-            if native is None:
+        for i, (streams, (kind, packed)) in enumerate(zip(layer.parity_streams, layouts)):
+            if kind == "streams":
                 kept = {suffix: streams[suffix] for suffix in int8x_ops.STREAMS}
             else:
-                native = native.to(device)
-                kept = {name: getattr(native, name) for name in NATIVE_TENSORS}
+                packed = packed.to(device)
+                names = NATIVE_TENSORS if kind == "native" else PLANES_TENSORS
+                kept = {name: getattr(packed, name) for name in names}
             for name, t in kept.items():
                 layer.register_buffer(f"parity_{i}_{name}", t, persistent=False)
         del layer.parity_streams
@@ -118,9 +139,13 @@ class Int8xLinearMethod(LinearMethodBase):
         gemm = choose.int8x_uses_gemm(x2.shape[0])
         outs = []
         for i, (n, k) in enumerate(layer.parity_shapes):
-            if layer.parity_native[i]:
+            if layer.parity_layout[i] == "native":
                 args = [getattr(layer, f"parity_{i}_{name}") for name in NATIVE_TENSORS]
                 outs.append(torch.ops.vllm_parity.int8x_native_linear(x2, *args, n, k, layer.parity_native_backend))
+                continue
+            if layer.parity_layout[i] == "planes":
+                args = [getattr(layer, f"parity_{i}_{name}") for name in PLANES_TENSORS]
+                outs.append(torch.ops.vllm_parity.int8x_planes_linear(x2, *args, n, k, layer.parity_planes_backend))
                 continue
             args = [getattr(layer, f"parity_{i}_{suffix}") for suffix in int8x_ops.STREAMS]
             if gemm:

@@ -1,0 +1,618 @@
+// int8x in the planes layout (kernels/int8x_planes.py): fused decode-GEMV on the tensor cores, and decode to a
+// dense weight.
+//
+// GEMV, y = x @ W^T for up to 16 rows of x per CTA row (grid.y slices larger M): a CTA owns one tile of 16
+// weight rows, its warps split the tile's 512-column chunks in equal runs. Per chunk a warp
+//  * stages x[m0 .. m0 + M) over the chunk's columns in its own shared slice, transposed to [column][token]
+//    (MT = 1: one token, [column]), zeros past K and past M,
+//  * applies the chunk's fixup records: they are copied to shared memory with coalesced loads, then lane l walks
+//    the records of row l % 16 with parity l / 16, adding h * x[column] per token to fp32 registers,
+//  * per 256-column block (the next one's five 16-byte loads per lane in flight meanwhile) runs 16
+//    mma.m16n8k16 (two per k-step for M > 8) with A decoded from the plane: a pair of codes c becomes
+//    the fp16 / bf16 pair 1024 + c / 128 + c with one OR of the nibbles and bit 4 into the magic number's
+//    mantissa, minus 1040 / 144 in one packed subtraction (exact: small integers), so ~2.5 instructions a weight.
+//    B comes from the staged x with ldmatrix.trans (MT = 1: a 32-bit shared load by the lanes of token 0).
+// The warps' accumulators and 32 * fixup sums meet in shared memory; the CTA writes scale * sum in y's dtype.
+//
+// Decode: one warp per (tile, step) block: the codes go to a shared [16][256] int8 tile, the records of its half
+// of the chunk patch it,
+// then the lanes write 16-byte vectors of q * scale row by row (rows past N and columns past K are not written).
+
+#include <torch/extension.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "dtypes.cuh"
+
+namespace {
+
+constexpr int TILE_ROWS = 16;
+constexpr int STEP_COLS = 256;   // columns of a block of the plane
+constexpr int CHUNK_COLS = 512;  // columns of a group of fixup records (two blocks)
+constexpr int BLOCK_VEC = 160;   // 16-byte vectors per (tile, step) block: 640 words
+constexpr int NIB_VEC = 128;     // the first 128 vectors hold nibbles, 32 per group of 4 k-steps
+constexpr int REC_CAP = 1024;    // fixup records staged per warp at a time (a block has at most 4096)
+constexpr uint32_t FULL = 0xffffffffu;
+
+using parity::from_f;
+using parity::to_f;
+
+struct Layout {
+  const uint4* planes;
+  const uint8_t* fx_pos;
+  const uint8_t* fx_h;
+  const int32_t* fx_base;
+  const int16_t* fx_ends;
+  int n, k;
+  int steps;  // K / 256 after padding to 512: even
+};
+
+// Magic numbers: a code c in the low 5 bits of each half gives 1024 + c (fp16) or 128 + c (bf16).
+template <typename T> struct Magic;
+template <> struct Magic<__half> { static constexpr uint32_t OR = 0x64006400u; };
+template <> struct Magic<__nv_bfloat16> { static constexpr uint32_t OR = 0x43004300u; };
+
+// (1024 + c) - 1040 = c - 16 = v5, exact.
+__device__ __forceinline__ uint32_t unbias(uint32_t v, __half) {
+  uint32_t r;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x64106410u));
+  return r;
+}
+// (128 + c) * 1 - 144 = v5, exact (fma: the packed bf16 subtraction of sm_80).
+__device__ __forceinline__ uint32_t unbias(uint32_t v, __nv_bfloat16) {
+  uint32_t r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3F803F80u), "r"(0xC310C310u));
+  return r;
+}
+
+// A fragment pair p of k-step s (of its group): nibbles at bits 4p (+16) of nw, bit 4 at bits 4s+p (+16) of hw.
+template <typename T, int S, int P>
+__device__ __forceinline__ uint32_t pair(uint32_t nw, uint32_t hw) {
+  constexpr int J = 4 * S + P;
+  const uint32_t lo = (nw >> (4 * P)) & 0x000F000Fu;
+  uint32_t hb;
+  if constexpr (J >= 4)
+    hb = (hw >> (J - 4)) & 0x00100010u;
+  else
+    hb = (hw << (4 - J)) & 0x00100010u;
+  return unbias(lo | hb | Magic<T>::OR, T());
+}
+
+template <typename T>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same<T, __half>::value) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void ldsm_x2_trans(uint32_t addr, uint32_t& r0, uint32_t& r1) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+// Streamed once: keep the weight out of L1.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Fixup code -> h in -4..-1, 1..4.
+__device__ __forceinline__ int fixup_h(uint32_t code) { return (int)code - 4 + (int)(code >> 2); }
+
+// The records of block b staged in shared memory: positions and 4-bit codes of records [w0, w0 + cnt).
+// Bytes of fx_h are staged from record w0 & ~1, so record e's code is at nibble e - (w0 & ~1).
+__device__ __forceinline__ void stage_records(const Layout& L, int64_t w0, int cnt, uint8_t* rpos, uint8_t* rh,
+                                              int lane) {
+  for (int i = lane; i < cnt; i += 32) rpos[i] = __ldg(L.fx_pos + w0 + i);
+  const int64_t h0 = w0 >> 1, h1 = (w0 + cnt + 1) >> 1;
+  for (int64_t i = lane; i < h1 - h0; i += 32) rh[i] = __ldg(L.fx_h + h0 + i);
+}
+
+// -- fused GEMV -----------------------------------------------------------------------------------
+
+template <int MT>
+struct XStage {
+  static constexpr int XT = MT == 1 ? 1 : (MT <= 8 ? 8 : 16);  // tokens per staged column
+  static constexpr int ELEMS = CHUNK_COLS * XT;
+  static constexpr int WARP_BYTES = ELEMS * 2 + REC_CAP + REC_CAP / 2 + 16;  // x, then records
+  static constexpr int MAX_WARPS = MT > 8 ? 8 : 16;                        // shared memory
+};
+
+// x[m, c0 + j] for m < mc, j < 512 into xs[j * XT + m] (tokens >= mc stay zero, set once). 16-byte loads where
+// x allows (xvec: 16-byte aligned rows), else elementwise; columns >= K read as 0.
+template <int MT, typename T>
+__device__ __forceinline__ void stage_x(T* xs, const T* __restrict__ x, int64_t sxm, int mc, int K, int c0, bool xvec,
+                                        int lane) {
+  constexpr int XT = XStage<MT>::XT;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int j0 = half * 256 + lane * 8;  // 8 columns per lane
+    const int k0 = c0 + j0;
+    for (int m = 0; m < (MT == 1 ? 1 : mc); ++m) {
+      const T* row = x + (int64_t)m * sxm;
+      T v[8];
+      if (xvec && k0 + 8 <= K) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row + k0));
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = e[i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = k0 + i < K ? row[k0 + i] : from_f<T>(0.f);
+      }
+      if constexpr (XT == 1) {
+        uint4 packed;
+        T* p = reinterpret_cast<T*>(&packed);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) p[i] = v[i];
+        *reinterpret_cast<uint4*>(xs + j0) = packed;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) xs[(j0 + i) * XT + m] = v[i];
+      }
+    }
+  }
+}
+
+// 16 k-steps of one 256-column block: A decoded from the plane, B from the staged x (xs: the block's columns).
+template <int MT, typename T>
+__device__ __forceinline__ void block_mma(float (&acc)[MT > 8 ? 2 : 1][4], const uint4 (&nib)[4], const uint4& hib,
+                                          const T* xs, int lane) {
+  constexpr int XT = XStage<MT>::XT;
+  constexpr int NT = MT > 8 ? 2 : 1;
+  const int g = lane >> 2, t = lane & 3;
+  const uint32_t xs_base = smem_addr(xs);
+#pragma unroll
+  for (int G = 0; G < 4; ++G) {
+    const uint32_t hw = word(hib, G);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const uint32_t nw = word(nib[G], s);
+      uint32_t a[4];
+      switch (s) {
+        case 0: a[0] = pair<T, 0, 0>(nw, hw); a[1] = pair<T, 0, 1>(nw, hw); a[2] = pair<T, 0, 2>(nw, hw);
+                a[3] = pair<T, 0, 3>(nw, hw); break;
+        case 1: a[0] = pair<T, 1, 0>(nw, hw); a[1] = pair<T, 1, 1>(nw, hw); a[2] = pair<T, 1, 2>(nw, hw);
+                a[3] = pair<T, 1, 3>(nw, hw); break;
+        case 2: a[0] = pair<T, 2, 0>(nw, hw); a[1] = pair<T, 2, 1>(nw, hw); a[2] = pair<T, 2, 2>(nw, hw);
+                a[3] = pair<T, 2, 3>(nw, hw); break;
+        default: a[0] = pair<T, 3, 0>(nw, hw); a[1] = pair<T, 3, 1>(nw, hw); a[2] = pair<T, 3, 2>(nw, hw);
+                 a[3] = pair<T, 3, 3>(nw, hw); break;
+      }
+      const int ks = 4 * G + s;
+      if constexpr (MT == 1) {
+        // B = x as the 8-column operand with only column 0 (token 0) nonzero.
+        const uint32_t* xw = reinterpret_cast<const uint32_t*>(xs + 16 * ks);
+        const uint32_t b0 = g == 0 ? xw[t] : 0u, b1 = g == 0 ? xw[t + 4] : 0u;
+        mma<T>(acc[0], a, b0, b1);
+      } else {
+        const int krow = 16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8;
+        const uint32_t addr = xs_base + (uint32_t)((krow * XT + (NT == 2 ? (lane >> 4) * 8 : 0)) * 2);
+        if constexpr (NT == 1) {
+          uint32_t b0, b1;
+          ldsm_x2_trans(addr, b0, b1);
+          mma<T>(acc[0], a, b0, b1);
+        } else {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_trans(addr, b0, b1, b2, b3);
+          mma<T>(acc[0], a, b0, b1);
+          mma<T>(acc[NT - 1], a, b2, b3);
+        }
+      }
+    }
+  }
+}
+
+template <int MT, typename T>
+__global__ void __launch_bounds__(512) linear_kernel(Layout L, const T* __restrict__ x, int64_t sxm, bool xvec,
+                                                     T* __restrict__ y, int64_t sym, int64_t syn, int M, int cpw,
+                                                     const float* __restrict__ scale) {
+  constexpr int XT = XStage<MT>::XT;
+  constexpr int NT = MT > 8 ? 2 : 1;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  unsigned char* mine = smem + warp * XStage<MT>::WARP_BYTES;
+  T* xs = reinterpret_cast<T*>(mine);
+  uint8_t* rpos = mine + XStage<MT>::ELEMS * 2;
+  uint8_t* rh = rpos + REC_CAP;
+
+  const int tile = blockIdx.x;
+  const int m0 = blockIdx.y * 16;
+  const int mc = min(M - m0, MT);
+  x += (int64_t)m0 * sxm;
+  const int chunks = L.steps / 2;
+  const int b_begin = 2 * warp * cpw, b_end = 2 * min(chunks, warp * cpw + cpw);  // the warp's blocks
+  const int fr = lane & 15, fpar = lane >> 4;
+
+  float acc[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+  float fx[MT];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) fx[m] = 0.f;
+
+  for (int i = lane; i < XStage<MT>::ELEMS / 2; i += 32) reinterpret_cast<uint32_t*>(xs)[i] = 0u;
+
+  const uint4* blocks = L.planes + (int64_t)tile * L.steps * BLOCK_VEC;
+  uint4 nib[4], hib;
+  if (b_begin < b_end) {
+    const uint4* b = blocks + (int64_t)b_begin * BLOCK_VEC;
+#pragma unroll
+    for (int G = 0; G < 4; ++G) nib[G] = ld_stream(b + G * 32 + lane);
+    hib = ld_stream(b + NIB_VEC + lane);
+  }
+  for (int B = b_begin; B < b_end; ++B) {
+    if ((B & 1) == 0) {  // a new chunk: stage its x, apply its fixups
+      const int64_t grp = (int64_t)tile * chunks + (B >> 1);
+      const int64_t rec0 = __ldg(L.fx_base + grp);
+      const int nrec = __ldg(L.fx_base + grp + 1) - (int)rec0;
+      const int row_end = __ldg(L.fx_ends + grp * TILE_ROWS + fr);
+      const int row_start = fr ? __ldg(L.fx_ends + grp * TILE_ROWS + fr - 1) : 0;
+      __syncwarp();  // the previous chunk's x and records are no longer read
+      stage_x<MT>(xs, x, sxm, mc, L.k, B * STEP_COLS, xvec, lane);
+      for (int w0 = 0; w0 < nrec; w0 += REC_CAP) {  // windows of REC_CAP records (one unless many)
+        const int cnt = min(REC_CAP, nrec - w0);
+        if (w0) __syncwarp();
+        stage_records(L, rec0 + w0, cnt, rpos, rh, lane);
+        __syncwarp();
+        int e = max(row_start + fpar, w0);
+        e += (e - row_start - fpar) & 1;  // keep the lane's parity
+        const int e_end = min(row_end, w0 + cnt);
+        const int hbase = (int)((rec0 + w0) & 1);
+        for (; e < e_end; e += 2) {
+          const int i = e - w0;
+          const uint32_t nb = (rh[(i + hbase) >> 1] >> (((i + hbase) & 1) * 4)) & 15u;
+          const float h = (float)fixup_h(nb & 7u);
+          const int col = (int)rpos[i] | (int)(nb >> 3) << 8;
+          if constexpr (XT == 1) {
+            fx[0] = fmaf(h, to_f(xs[col]), fx[0]);
+          } else {
+#pragma unroll
+            for (int v = 0; v < MT; v += 8) {
+              const uint4 raw = *reinterpret_cast<const uint4*>(xs + col * XT + v);
+              const T* xv = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+              for (int j = 0; j < 8; ++j) fx[v + j] = fmaf(h, to_f(xv[j]), fx[v + j]);
+            }
+          }
+        }
+      }
+      if (nrec == 0) __syncwarp();  // x staged by every lane before the tensor cores read it
+    }
+    // The next block, in flight while this one is computed.
+    uint4 nib_next[4], hib_next;
+    if (B + 1 < b_end) {
+      const uint4* b = blocks + (int64_t)(B + 1) * BLOCK_VEC;
+#pragma unroll
+      for (int G = 0; G < 4; ++G) nib_next[G] = ld_stream(b + G * 32 + lane);
+      hib_next = ld_stream(b + NIB_VEC + lane);
+    }
+    block_mma<MT, T>(acc, nib, hib, xs + (B & 1) * STEP_COLS * XT, lane);
+    if (B + 1 < b_end) {
+#pragma unroll
+      for (int G = 0; G < 4; ++G) nib[G] = nib_next[G];
+      hib = hib_next;
+    }
+  }
+
+  // Reduce: red[warp][row][token] in the (now free) shared memory.
+  __syncthreads();
+  const int g = lane >> 2, t = lane & 3;
+  float* red = reinterpret_cast<float*>(smem) + warp * TILE_ROWS * MT;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int tok = nt * 8 + 2 * t;
+    if (tok < MT) {
+      red[g * MT + tok] = acc[nt][0];
+      red[(g + 8) * MT + tok] = acc[nt][2];
+    }
+    if (tok + 1 < MT) {
+      red[g * MT + tok + 1] = acc[nt][1];
+      red[(g + 8) * MT + tok + 1] = acc[nt][3];
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MT; ++m) fx[m] += __shfl_xor_sync(FULL, fx[m], 16);
+  __syncwarp();
+  if (lane < 16) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) red[lane * MT + m] += 32.f * fx[m];
+  }
+  __syncthreads();
+  const float sc = __ldg(scale);
+  for (int i = threadIdx.x; i < TILE_ROWS * MT; i += blockDim.x) {
+    const int r = i / MT, m = i - r * MT;
+    const int row = tile * TILE_ROWS + r;
+    if (row >= L.n || m >= mc) continue;
+    const float* base = reinterpret_cast<const float*>(smem) + i;
+    float v = 0.f;
+    for (int w = 0; w < nwarps; ++w) v += base[w * TILE_ROWS * MT];
+    y[(int64_t)(m0 + m) * sym + (int64_t)row * syn] = from_f<T>(v * sc);
+  }
+}
+
+// -- decode ---------------------------------------------------------------------------------------
+
+constexpr int DEC_WARPS = 8;
+constexpr int DEC_ROW = STEP_COLS + 16;  // int8 staging row, padded
+constexpr int DEC_WARP_BYTES = TILE_ROWS * DEC_ROW + REC_CAP + REC_CAP / 2 + 16;
+
+template <typename O>
+__global__ void __launch_bounds__(DEC_WARPS * 32) decode_kernel(Layout L, O* __restrict__ out, bool ovec, int blocks,
+                                                                const float* __restrict__ scale) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int blk = blockIdx.x * DEC_WARPS + warp;
+  if (blk >= blocks) return;  // whole warp
+  unsigned char* mine = smem + warp * DEC_WARP_BYTES;
+  int8_t* qs = reinterpret_cast<int8_t*>(mine);
+  uint8_t* rpos = mine + TILE_ROWS * DEC_ROW;
+  uint8_t* rh = rpos + REC_CAP;
+  const int tile = blk / L.steps, S = blk - tile * L.steps;
+  const int g = lane >> 2, t = lane & 3;
+  const uint4* b = L.planes + (int64_t)blk * BLOCK_VEC;
+  const uint4 hib = ld_stream(b + NIB_VEC + lane);
+#pragma unroll
+  for (int G = 0; G < 4; ++G) {
+    const uint4 nv = ld_stream(b + G * 32 + lane);
+    const uint32_t hw = word(hib, G);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const uint32_t nw = word(nv, s);
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = (int)(((nw >> (4 * p + 16 * e)) & 15u) | (((hw >> (4 * s + p + 16 * e)) & 1u) << 4));
+          const int r = g + 8 * (p & 1), col = 16 * (4 * G + s) + 2 * t + 8 * (p >> 1) + e;
+          qs[r * DEC_ROW + col] = (int8_t)(c - 16);
+        }
+      }
+    }
+  }
+  const int64_t grp = (int64_t)tile * (L.steps / 2) + (S >> 1);  // the block's half of a record group
+  const int64_t rec0 = __ldg(L.fx_base + grp);
+  const int nrec = __ldg(L.fx_base + grp + 1) - (int)rec0;
+  const int fr = lane & 15, fpar = lane >> 4;
+  const int row_end = __ldg(L.fx_ends + grp * TILE_ROWS + fr);
+  const int row_start = fr ? __ldg(L.fx_ends + grp * TILE_ROWS + fr - 1) : 0;
+  for (int w0 = 0; w0 < nrec; w0 += REC_CAP) {
+    const int cnt = min(REC_CAP, nrec - w0);
+    __syncwarp();
+    stage_records(L, rec0 + w0, cnt, rpos, rh, lane);
+    __syncwarp();
+    int e = max(row_start + fpar, w0);
+    e += (e - row_start - fpar) & 1;
+    const int e_end = min(row_end, w0 + cnt);
+    const int hbase = (int)((rec0 + w0) & 1);
+    for (; e < e_end; e += 2) {
+      const int i = e - w0;
+      const uint32_t nb = (rh[(i + hbase) >> 1] >> (((i + hbase) & 1) * 4)) & 15u;
+      if ((int)(nb >> 3) != (S & 1)) continue;  // the other block of the group
+      int8_t* q = qs + fr * DEC_ROW + rpos[i];
+      *q = (int8_t)(*q + 32 * fixup_h(nb & 7u));
+    }
+  }
+  __syncwarp();
+  // Write: lane covers 8 columns of a row, 32 lanes a row of 256.
+  const float sc = __ldg(scale);
+  const int c0 = S * STEP_COLS + 8 * lane;
+  for (int r = 0; r < TILE_ROWS; ++r) {
+    const int row = tile * TILE_ROWS + r;
+    if (row >= L.n) break;
+    const uint2 raw = *reinterpret_cast<const uint2*>(qs + r * DEC_ROW + 8 * lane);
+    const int8_t* q8 = reinterpret_cast<const int8_t*>(&raw);
+    O* dst = out + (int64_t)row * L.k + c0;
+    if (ovec && c0 + 8 <= L.k) {
+      if constexpr (sizeof(O) == 4) {
+        float4* p = reinterpret_cast<float4*>(dst);
+        p[0] = make_float4(q8[0] * sc, q8[1] * sc, q8[2] * sc, q8[3] * sc);
+        p[1] = make_float4(q8[4] * sc, q8[5] * sc, q8[6] * sc, q8[7] * sc);
+      } else {
+        uint4 v;
+        O* o = reinterpret_cast<O*>(&v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[i] = from_f<O>((float)q8[i] * sc);
+        *reinterpret_cast<uint4*>(dst) = v;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (c0 + i < L.k) dst[i] = from_f<O>((float)q8[i] * sc);
+    }
+  }
+}
+
+// -- host -----------------------------------------------------------------------------------------
+
+void check_tensor(const torch::Tensor& t, const char* name, torch::ScalarType dtype, int64_t dim,
+                  const torch::Device& dev) {
+  TORCH_CHECK(t.is_cuda(), "int8x planes cuda: ", name, " must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK(t.device() == dev, "int8x planes cuda: ", name, " is on ", t.device(), ", planes on ", dev);
+  TORCH_CHECK(t.scalar_type() == dtype, "int8x planes cuda: ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim && t.is_contiguous(), "int8x planes cuda: ", name, " must be a contiguous ", dim,
+              "-D tensor, got shape ", t.sizes(), " strides ", t.strides());
+}
+
+Layout make_layout(const torch::Tensor& planes, const torch::Tensor& fx_pos, const torch::Tensor& fx_h,
+                   const torch::Tensor& fx_base, const torch::Tensor& fx_ends, const torch::Tensor& scale,
+                   int64_t n_rows, int64_t n_cols) {
+  TORCH_CHECK(n_rows > 0 && n_cols > 0 && n_rows < INT32_MAX && n_cols < INT32_MAX,
+              "int8x planes cuda: n_rows and n_cols must be positive int32, got ", n_rows, ", ", n_cols);
+  const auto dev = planes.device();
+  check_tensor(planes, "planes", torch::kInt32, 3, dev);
+  check_tensor(fx_pos, "fx_pos", torch::kUInt8, 1, dev);
+  check_tensor(fx_h, "fx_h", torch::kUInt8, 1, dev);
+  check_tensor(fx_base, "fx_base", torch::kInt32, 1, dev);
+  check_tensor(fx_ends, "fx_ends", torch::kInt16, 1, dev);
+  check_tensor(scale, "scale", torch::kFloat32, 1, dev);
+  const int64_t tiles = (n_rows + TILE_ROWS - 1) / TILE_ROWS;
+  const int64_t chunks = (n_cols + CHUNK_COLS - 1) / CHUNK_COLS, steps = 2 * chunks;
+  TORCH_CHECK(planes.size(0) == tiles && planes.size(1) == steps && planes.size(2) == BLOCK_VEC * 4,
+              "int8x planes cuda: planes must be (", tiles, ", ", steps, ", ", BLOCK_VEC * 4, ") for a (", n_rows,
+              ", ", n_cols, ") weight, got ", planes.sizes());
+  TORCH_CHECK(fx_base.numel() == tiles * chunks + 1, "int8x planes cuda: fx_base has ", fx_base.numel(),
+              " entries, expected record groups + 1 = ", tiles * chunks + 1);
+  TORCH_CHECK(fx_ends.numel() == tiles * chunks * TILE_ROWS, "int8x planes cuda: fx_ends has ", fx_ends.numel(),
+              " entries, expected 16 * record groups = ", tiles * chunks * TILE_ROWS);
+  TORCH_CHECK(fx_h.numel() == (fx_pos.numel() + 1) / 2, "int8x planes cuda: fx_h has ", fx_h.numel(),
+              " bytes, expected ceil(records / 2) = ", (fx_pos.numel() + 1) / 2);
+  TORCH_CHECK(scale.numel() == 1, "int8x planes cuda: scale must hold one number, got ", scale.numel());
+  Layout L;
+  L.planes = reinterpret_cast<const uint4*>(planes.data_ptr<int32_t>());
+  L.fx_pos = fx_pos.data_ptr<uint8_t>();
+  L.fx_h = fx_h.data_ptr<uint8_t>();
+  L.fx_base = fx_base.data_ptr<int32_t>();
+  L.fx_ends = fx_ends.data_ptr<int16_t>();
+  L.n = (int)n_rows;
+  L.k = (int)n_cols;
+  L.steps = (int)steps;
+  return L;
+}
+
+template <typename K>
+void set_smem(K kernel, int64_t bytes) {
+  if (bytes > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+}
+
+// Warps per CTA: enough CTAs x warps to fill the device (8 where the tiles alone give 4 CTAs per SM, else up to
+// 16, as shared memory allows), each warp a run of whole chunks, the runs as even as their number allows.
+void split_chunks(int64_t tiles, int chunks, int sms, int max_warps, int& warps, int& cpw) {
+  if (tiles >= 4 * sms) max_warps = std::min(max_warps, 8);
+  cpw = (chunks + max_warps - 1) / max_warps;
+  warps = (chunks + cpw - 1) / cpw;
+}
+
+template <int MT, typename T>
+void launch_linear(const Layout& L, const torch::Tensor& x, bool xvec, torch::Tensor& out, int M,
+                   const float* sp, cudaStream_t stream, int sms) {
+  const int64_t tiles = (L.n + TILE_ROWS - 1) / TILE_ROWS;
+  int warps, cpw;
+  split_chunks(tiles, L.steps / 2, sms, XStage<MT>::MAX_WARPS, warps, cpw);
+  const int64_t smem = std::max<int64_t>((int64_t)warps * XStage<MT>::WARP_BYTES, (int64_t)warps * TILE_ROWS * MT * 4);
+  auto kernel = linear_kernel<MT, T>;
+  set_smem(kernel, smem);
+  const dim3 grid((unsigned)tiles, (unsigned)((M + 15) / 16));
+  kernel<<<grid, warps * 32, smem, stream>>>(L, reinterpret_cast<const T*>(x.data_ptr()), x.stride(0), xvec,
+                                             reinterpret_cast<T*>(out.data_ptr()), out.stride(0), out.stride(1), M,
+                                             cpw, sp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void linear_t(const Layout& L, const torch::Tensor& x, bool xvec, torch::Tensor& out, int M, const float* sp,
+              cudaStream_t stream, int sms) {
+  if (M == 1)
+    launch_linear<1, T>(L, x, xvec, out, M, sp, stream, sms);
+  else if (M <= 8)
+    launch_linear<8, T>(L, x, xvec, out, M, sp, stream, sms);
+  else
+    launch_linear<16, T>(L, x, xvec, out, M, sp, stream, sms);
+}
+
+void linear(torch::Tensor x, torch::Tensor planes, torch::Tensor fx_pos, torch::Tensor fx_h, torch::Tensor fx_base,
+            torch::Tensor fx_ends, torch::Tensor scale, int64_t n_rows, int64_t n_cols, torch::Tensor out) {
+  const Layout L = make_layout(planes, fx_pos, fx_h, fx_base, fx_ends, scale, n_rows, n_cols);
+  TORCH_CHECK(x.is_cuda() && x.device() == planes.device(), "int8x planes cuda linear: x must be on ",
+              planes.device(), ", got ", x.device());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == n_cols, "int8x planes cuda linear: x must be (M, ", n_cols,
+              "), got shape ", x.sizes());
+  TORCH_CHECK(x.stride(1) == 1 || x.size(1) == 1, "int8x planes cuda linear: x must be contiguous along K, got "
+              "strides ", x.strides());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat16 || x.scalar_type() == torch::kBFloat16,
+              "int8x planes cuda linear: x must be fp16 or bf16, got ", x.scalar_type());
+  TORCH_CHECK(out.is_cuda() && out.device() == planes.device() && out.scalar_type() == x.scalar_type(),
+              "int8x planes cuda linear: out must be a ", x.scalar_type(), " tensor on ", planes.device(), ", got ",
+              out.scalar_type(), " on ", out.device());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n_rows,
+              "int8x planes cuda linear: out must be (", x.size(0), ", ", n_rows, "), got shape ", out.sizes());
+  TORCH_CHECK(x.size(0) <= 65535 * 16, "int8x planes cuda linear: x has ", x.size(0), " rows, at most ",
+              65535 * 16, " (decode the weight and use a matmul for so many)");
+  const int M = (int)x.size(0);
+  if (M == 0) return;
+  const c10::cuda::CUDAGuard guard(planes.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, planes.get_device()));
+  const bool xvec = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && (x.stride(0) * 2) % 16 == 0;
+  const float* sp = scale.data_ptr<float>();
+  if (x.scalar_type() == torch::kFloat16)
+    linear_t<__half>(L, x, xvec, out, M, sp, stream, sms);
+  else
+    linear_t<__nv_bfloat16>(L, x, xvec, out, M, sp, stream, sms);
+}
+
+void decode(torch::Tensor planes, torch::Tensor fx_pos, torch::Tensor fx_h, torch::Tensor fx_base,
+            torch::Tensor fx_ends, torch::Tensor scale, int64_t n_rows, int64_t n_cols, torch::Tensor out) {
+  const Layout L = make_layout(planes, fx_pos, fx_h, fx_base, fx_ends, scale, n_rows, n_cols);
+  TORCH_CHECK(out.is_cuda() && out.device() == planes.device(), "int8x planes cuda decode: out must be on ",
+              planes.device(), ", got ", out.device());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == n_rows && out.size(1) == n_cols && out.is_contiguous(),
+              "int8x planes cuda decode: out must be contiguous (", n_rows, ", ", n_cols, "), got shape ",
+              out.sizes(), " strides ", out.strides());
+  const c10::cuda::CUDAGuard guard(planes.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int blocks = (int)planes.size(0) * (int)planes.size(1);
+  const bool ovec = reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 && (n_cols * out.element_size()) % 16 == 0;
+  const dim3 grid((unsigned)((blocks + DEC_WARPS - 1) / DEC_WARPS));
+  const int64_t smem = (int64_t)DEC_WARPS * DEC_WARP_BYTES;
+  const float* sp = scale.data_ptr<float>();
+  switch (out.scalar_type()) {
+    case torch::kFloat32:
+      set_smem(decode_kernel<float>, smem);
+      decode_kernel<float><<<grid, DEC_WARPS * 32, smem, stream>>>(L, out.data_ptr<float>(), ovec, blocks, sp);
+      break;
+    case torch::kFloat16:
+      set_smem(decode_kernel<__half>, smem);
+      decode_kernel<__half><<<grid, DEC_WARPS * 32, smem, stream>>>(
+          L, reinterpret_cast<__half*>(out.data_ptr()), ovec, blocks, sp);
+      break;
+    case torch::kBFloat16:
+      set_smem(decode_kernel<__nv_bfloat16>, smem);
+      decode_kernel<__nv_bfloat16><<<grid, DEC_WARPS * 32, smem, stream>>>(
+          L, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ovec, blocks, sp);
+      break;
+    default:
+      TORCH_CHECK(false, "int8x planes cuda decode: out must be fp32, fp16 or bf16, got ", out.scalar_type());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "int8x planes fused decode-GEMV: out = x @ W^T", py::arg("x"), py::arg("planes"),
+        py::arg("fx_pos"), py::arg("fx_h"), py::arg("fx_base"), py::arg("fx_ends"), py::arg("scale"),
+        py::arg("n_rows"), py::arg("n_cols"), py::arg("out"));
+  m.def("decode", &decode, "int8x planes decode into out (n_rows, n_cols)", py::arg("planes"), py::arg("fx_pos"),
+        py::arg("fx_h"), py::arg("fx_base"), py::arg("fx_ends"), py::arg("scale"), py::arg("n_rows"),
+        py::arg("n_cols"), py::arg("out"));
+}

@@ -1,0 +1,262 @@
+"""The int8x planes layout (5-bit plane + fixup records): lossless repack, its bytes, its op against fp64.
+
+GPU tests (``@pytest.mark.gpu``) add the CUDA kernels (csrc/int8x_planes.cu): the tensor-core GEMV against the
+torch path for M in 1, 7, 16, 40, sync-free and CUDA-graph checks, NaN propagation, and the decode kernel
+bit-exact against :func:`unpack`. Outputs are NaN-poisoned before each launch, so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.test_int8x_kernels import (DTYPES, LINEAR_BOUND, SETTINGS, activations,  # noqa: I001
+                                      assert_rel_close, poisoned_allocations, requires_gpu)
+from vllm_parity.fixtures.weights import gaussian, seed_mix
+from vllm_parity.reference.formats import int8x
+from vllm_parity.serving import choose
+from vllm_parity.serving import int8x_planes as pl
+from vllm_parity.serving.int8x_load import decode_streams
+
+EDGES = np.array([-128, 127, -17, -16, 16, 15, -15, 0, -1, 31, 32, -33, -32, 47, -48, 4, -4])
+POOLS = {
+    "L1": np.arange(-3, 4),
+    "L2": np.concatenate([np.arange(-15, -3), np.arange(4, 16)]),
+    "L3": np.concatenate([np.arange(-128, -15), np.arange(16, 128)]),
+}
+
+
+@st.composite
+def int8_weights(draw, max_n: int = 40):
+    """q (N, K): N across a tile (1, 15, 16, 17, ...), K around 256 (padding), every level mix and the edges."""
+    n = draw(st.one_of(st.integers(1, max_n), st.sampled_from([1, 15, 16, 17, 33])))
+    k = draw(st.one_of(st.integers(1, 600), st.sampled_from([1, 31, 32, 255, 256, 257, 512, 513])))
+    mode = draw(st.sampled_from(["mixed", "mixed", "L1", "L2", "L3", "edges", "fixups"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    size = n * k
+    if mode == "mixed":
+        level = rng.choice(3, size=size, p=rng.dirichlet([1.0, 1.0, 1.0]))
+        v = np.choose(level, [rng.choice(POOLS[p], size) for p in ("L1", "L2", "L3")])
+    elif mode == "edges":
+        v = rng.choice(EDGES, size)
+    elif mode == "fixups":  # every weight a fixup
+        v = rng.choice(np.array([127, -128]), size)
+    else:
+        v = rng.choice(POOLS[mode], size)
+    return torch.from_numpy(v.astype(np.int8).reshape(n, k))
+
+
+def _layout(q: torch.Tensor, scale: float = 0.0371, device: str = "cpu") -> pl.Int8xPlanes:
+    return pl.pack(q, torch.tensor([scale])).to(device)
+
+
+def _ref(x: torch.Tensor, q: torch.Tensor, scale: float = 0.0371) -> torch.Tensor:
+    return x.detach().cpu().to(torch.float64) @ (q.to(torch.float64) * torch.tensor(scale, dtype=torch.float32)).t()
+
+
+@settings(**SETTINGS)
+@given(q=int8_weights())
+def test_pack_is_lossless_and_well_formed(q):
+    lay = pl.pack(q, torch.tensor([0.5]))
+    n, k = q.shape
+    pl.check(lay.tensors, n, k)
+    v = q.to(torch.int32)
+    assert lay.fixups == int(((v > 15) | (v < -16)).sum()), "one record per weight outside -16..15"
+    assert int(lay.fx_base[-1]) == lay.fixups and lay.nbytes == pl.estimate_bytes(q)
+    assert torch.equal(pl.unpack(lay), q), "unpack(pack(q)) != q"
+
+
+@settings(**SETTINGS)
+@given(q=int8_weights(max_n=12))
+def test_repack_from_the_stored_streams(q):
+    """Reference encoder -> stored streams -> the serving loader's q -> planes -> q == the reference decoder's."""
+    enc = int8x.encode(q, 0.25)
+    want = int8x.decode_int8(enc)
+    got = decode_streams(enc, int8x.Int8xSpec().block_size)
+    assert torch.equal(got, want)
+    assert torch.equal(pl.unpack(pl.pack(got, enc["weight_scale"])), want)
+
+
+def test_hand_worked_bytes():
+    """One 1 x 3 weight: codes, plane words and records computed by hand from the module docstring."""
+    q = torch.tensor([[5, -16, 127]], dtype=torch.int8)
+    lay = pl.pack(q, torch.tensor([1.0]))
+    assert tuple(lay.planes.shape) == (1, 2, 640)  # K padded to one chunk of 512: two blocks
+    # Codes (q + 16) & 31: 5 -> 21 (0b10101), -16 -> 0, 127 -> 15 (v5 = -1, fixup h = 4); padding -> 16.
+    # Row 0 is g = 0, p0 = 0; columns 0, 1 are k-step 0 (G = 0, s = 0), t = 0, p1 = 0: pair p = 0 of word 0,
+    # e = 0 -> bits 0..3, e = 1 -> bits 16..19. Pair p = 1 (row 8) and 2 (columns 8, 9) are padding: nibble 0.
+    w = lay.planes.reshape(-1).to(torch.int64) & 0xFFFFFFFF
+    assert int(w[0]) == (21 & 15) | (0 << 16)
+    # Column 2 is t = 1 (lane 1): word 4 * 1 + 0 = 4, pair 0, e = 0 -> 15 at bits 0..3, e = 1 (column 3,
+    # padding) -> 0.
+    assert int(w[4]) == 15
+    # Bit 4 of the codes: word 512 + 4 lane + G, bit 4 s + p + 16 e. Column 0 (21) has it; columns 1, 2 not.
+    # Padding code 16 has it: lane 0 pairs 1..3 (both e) and column 1's partner pairs; lane 1 e = 1 of pair 0.
+    assert int(w[512]) == 0b1111_1111_1111_1111_1111_1111_1111_1111 & ~(1 << 16)
+    assert int(w[512 + 4]) == 0xFFFFFFFF & ~1
+    assert lay.fx_pos.tolist() == [2] and lay.fx_h.tolist() == [4 + 3]  # h = 4 -> code h + 3; column bit 8 = 0
+    assert lay.fx_base.tolist() == [0, 1] and lay.fx_ends.tolist() == [1] * 16
+    assert lay.nbytes == 2 * 640 * 4 + 1 + 1 + 8 + 32 + 4
+
+
+@pytest.mark.parametrize("dist,bound", [("seed-mix", 5.6), ("gaussian-2.5", 5.2)])
+def test_bits_per_weight(dist, bound):
+    q = seed_mix(256, 4096, seed=1) if dist == "seed-mix" else gaussian(256, 4096, 2.5, seed=1)
+    if dist == "seed-mix":
+        a = q.to(torch.int32).abs()
+        assert abs(float((a <= 3).float().mean()) - 0.555) < 1e-4 and abs(float((a > 15).float().mean()) - 0.041) < 1e-4
+    lay = pl.pack(q, torch.tensor([0.01]))
+    assert lay.bits_per_weight <= bound, lay.bits_per_weight
+    enc = int8x.encode(q, 0.01)
+    if dist == "seed-mix":  # smaller than the stored streams with their block tables, so `auto` takes it
+        assert pl.fits(lay, enc) and lay.nbytes < pl.stored_bytes(enc)
+
+
+def test_layout_choice(monkeypatch):
+    q = seed_mix(64, 512, seed=2)
+    enc = int8x.encode(q, 0.01)
+    monkeypatch.setenv(choose.ENV_INT8X_LAYOUT, "planes")
+    assert torch.equal(pl.unpack(pl.for_serving(q, enc)), q)
+    monkeypatch.setenv(choose.ENV_INT8X_LAYOUT, "streams")
+    assert pl.for_serving(q, enc) is None
+    wide = gaussian(64, 512, 60.0, seed=3)  # mostly fixups: larger than the streams
+    assert pl.for_serving(wide, int8x.encode(wide, 0.01), layout="auto") is None
+
+
+def _backend() -> str:
+    return "cuda" if torch.cuda.is_available() else "torch"
+
+
+@settings(**SETTINGS)
+@given(q=int8_weights(max_n=20), dtype=st.sampled_from(DTYPES), data=st.data())
+def test_torch_linear_matches_reference(q, dtype, data):
+    x, layout = data.draw(activations(q.shape[1], dtype, "cpu", max_m=20))
+    with poisoned_allocations():
+        y = pl.linear(x, _layout(q), backend="torch")
+    assert y.dtype == dtype and y.shape == (*x.shape[:-1], q.shape[0])
+    assert_rel_close(y, _ref(x, q), LINEAR_BOUND[dtype], f"torch {layout} {dtype} q{tuple(q.shape)}")
+
+
+def test_opcheck_cpu():
+    q = seed_mix(17, 300, seed=4)
+    lay = _layout(q)
+    x = torch.randn(2, 3, 300)
+    torch.library.opcheck(torch.ops.vllm_parity.int8x_planes_linear, (x, *lay.tensors, 17, 300, "torch"))
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="2-D int8"):
+        pl.pack(torch.zeros(3, 4), torch.tensor([1.0]))
+    lay = _layout(torch.zeros(2, 16, dtype=torch.int8))
+    with pytest.raises(ValueError, match="x has 15 input features"):
+        pl.linear(torch.randn(1, 15), lay, backend="torch")
+    with pytest.raises(ValueError, match="backend 'cuda' needs CUDA tensors"):
+        pl.linear(torch.randn(1, 16), lay, backend="cuda")
+    with pytest.raises(ValueError, match=r"fx_ends must be a contiguous 1-D torch.int16"):
+        pl.linear(torch.randn(1, 16), lay._replace(fx_ends=lay.fx_ends.int()), backend="torch")
+    with pytest.raises(ValueError, match=r"planes has shape \(1, 2, 640\), expected \(1, 4, 640\)"):
+        pl.linear(torch.randn(1, 600), lay._replace(k=600), backend="torch")
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+
+
+def _cuda_ready():
+    from vllm_parity.serving import int8x_planes_cuda
+
+    if not int8x_planes_cuda.available():
+        pytest.skip("the int8x planes CUDA kernels need nvcc")
+    return int8x_planes_cuda
+
+
+@pytest.mark.gpu
+@requires_gpu
+@settings(**SETTINGS)
+@given(q=int8_weights(), dtype=st.sampled_from([torch.float16, torch.bfloat16]), data=st.data())
+def test_gpu_linear_matches_torch(q, dtype, data):
+    kc = _cuda_ready()
+    x, layout = data.draw(activations(q.shape[1], dtype, "cuda", max_m=40))
+    lay = _layout(q, device="cuda")
+    with poisoned_allocations():
+        y = pl.linear(x, lay, backend="cuda")
+    assert_rel_close(y, _ref(x, q), LINEAR_BOUND[dtype], f"cuda {layout} {dtype} q{tuple(q.shape)}")
+    x2 = x.reshape(-1, q.shape[1])
+    with poisoned_allocations():  # the GEMV kernel itself for every M (grid.y slices of 16 rows)
+        y2 = kc.linear(x2, lay)
+    assert_rel_close(y2, _ref(x2, q), LINEAR_BOUND[dtype], f"cuda gemv {layout} {dtype} q{tuple(q.shape)}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@settings(**SETTINGS)
+@given(q=int8_weights(), dtype=st.sampled_from(DTYPES))
+def test_gpu_decode_is_exact(q, dtype):
+    kc = _cuda_ready()
+    with poisoned_allocations():
+        w = kc.decode(_layout(q, device="cuda"), dtype)
+    want = (q.to(torch.float32) * torch.tensor(0.0371)).to(dtype)
+    assert torch.equal(w.cpu(), want), f"{int((w.cpu() != want).sum())} elements differ, q{tuple(q.shape)} {dtype}"
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("m", [1, 7, 16, 40])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_large_sync_free_and_graphed(m, dtype):
+    _cuda_ready()
+    g = torch.Generator().manual_seed(3)
+    q = seed_mix(1000, 4096, seed=5)
+    q[0, 0], q[-1, -1], q[5, :], q[6, :] = -128, 127, 64, 0
+    lay = _layout(q, device="cuda")
+    x = torch.randn(m, 4096, generator=g).to("cuda", dtype)
+    pl.linear(x, lay)  # build outside the checks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync inside the op raises
+    try:
+        with poisoned_allocations():
+            y = pl.linear(x, lay)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert_rel_close(y, _ref(x, q), LINEAR_BOUND[dtype] * 4, f"gpu M={m} {dtype}")
+    if m > 16:
+        return
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        pl.linear(x, lay)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        yg = pl.linear(x, lay)
+    x.copy_(torch.randn(m, 4096, generator=g).to("cuda", dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_rel_close(yg, _ref(x, q), LINEAR_BOUND[dtype] * 4, f"gpu graph replay M={m} {dtype}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_nan_propagates_and_3d_noncontiguous():
+    _cuda_ready()
+    q = seed_mix(48, 1024, seed=6)
+    lay = _layout(q, device="cuda")
+    x = torch.randn(2, 3, 1024, 2, device="cuda", dtype=torch.bfloat16)[..., 0]  # 3-D, column stride 2
+    x[0, 1, 17] = float("nan")
+    y = pl.linear(x, lay)
+    assert torch.isnan(y[0, 1]).all() and torch.isfinite(y[0, 0]).all() and torch.isfinite(y[1]).all()
+    x[0, 1, 17] = 0
+    assert_rel_close(pl.linear(x, lay), _ref(x, q), LINEAR_BOUND[torch.bfloat16], "3-D non-contiguous")
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_opcheck():
+    _cuda_ready()
+    q = seed_mix(17, 300, seed=4)
+    lay = _layout(q, device="cuda")
+    x = torch.randn(2, 3, 300, device="cuda", dtype=torch.float16)
+    torch.library.opcheck(torch.ops.vllm_parity.int8x_planes_linear, (x, *lay.tensors, 17, 300, "cuda"))
