@@ -161,26 +161,53 @@ def linear(x: torch.Tensor, tensors: dict[str, torch.Tensor], shape: tuple[int, 
     return y if bias is None else y + bias
 
 
+def serving_layout(q: torch.Tensor, tensors: dict[str, torch.Tensor]) -> tuple[str, object | None]:
+    """The layout a validated int8x tensor set (its int8 weights ``q``) is served in, by ``PARITY_INT8X_LAYOUT``
+    (``choose.int8x_layout``): ``("native", Int8xNative)`` where that fits, else ``("planes", Int8xPlanes)`` where
+    that is smaller than the stored tensors (``auto``; ``native`` / ``planes`` force one), else ``("streams",
+    None)``. The vLLM method and the kernels candidate both serve what this says."""
+    from vllm_parity.serving import int8x_native, int8x_planes
+
+    choice = choose.int8x_layout()
+    if choice in ("auto", "native"):
+        native = int8x_native.for_serving(q, tensors)
+        if native is not None:
+            return "native", native
+    if choice in ("auto", "planes"):
+        planes = int8x_planes.for_serving(q, tensors, choice)
+        if planes is not None:
+            return "planes", planes
+    return "streams", None
+
+
 class KernelLinear(torch.nn.Module):
-    """An int8x projection on the kernels, in the layout vLLM would serve: the native one where it fits
-    (``PARITY_INT8X_LAYOUT``), else the streams; validated once by the serving side's own decoder."""
+    """An int8x projection on the kernels, in the layout vLLM would serve (:func:`serving_layout`); validated
+    once by the serving side's own decoder."""
 
     def __init__(self, spec: Int8xSpec, stored: dict[str, torch.Tensor], n: int, k: int, name: str = "weight",
                  backend: str | None = None):
         super().__init__()
-        from vllm_parity.serving import int8x_native
         from vllm_parity.serving.int8x_load import decode_streams
 
         self.spec, self.name, self.backend, self.in_features, self.out_features = spec, name, backend, k, n
         self.tensors = dict(stored)
-        self.native = int8x_native.for_serving(decode_streams(self.tensors, spec.block_size, name=name), self.tensors)
+        self.layout, self.packed = serving_layout(decode_streams(self.tensors, spec.block_size, name=name),
+                                                  self.tensors)
+
+    @property
+    def native(self):
+        """The native layout, where served (else None)."""
+        return self.packed if self.layout == "native" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None:
-            from vllm_parity.serving import int8x_native
+        if self.layout != "streams":
+            from vllm_parity.serving import int8x_native, int8x_planes
 
-            if self.native.codes.device != x.device:
-                self.native = self.native.to(x.device)
-            return int8x_native.linear(x, self.native, backend=choose.int8x_native_backend(self.backend, x.device))
+            if self.packed.scale.device != x.device:
+                self.packed = self.packed.to(x.device)
+            if self.layout == "native":
+                return int8x_native.linear(x, self.packed,
+                                           backend=choose.int8x_native_backend(self.backend, x.device))
+            return int8x_planes.linear(x, self.packed, backend=choose.int8x_planes_backend(self.backend, x.device))
         return linear(x, self.tensors, shape=(self.out_features, self.in_features), spec=self.spec,
                       backend=self.backend)

@@ -88,6 +88,9 @@ BRANCHES = [
     ("int8x", "streams", "torch", {}, "streams_torch"),
     ("int8x", "streams", "triton", {}, "streams_triton"),
     ("int8x", "streams", "cuda", {}, "streams_cuda"),
+    ("int8x", "planes", "torch", {}, "planes_torch"),
+    ("int8x", "planes", "cuda", {}, "planes_cuda_gemv"),
+    ("int8x", "planes", "cuda", {"INT8X_PLANES_GEMV_MAX_M": 0}, "planes_cuda_gemm"),
 ]
 
 

@@ -12,7 +12,8 @@ SMALL = Dims(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=256, vocab=
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt, layout", [("hf-bitnet", None), ("int8x", "streams"), ("int8x", "native")])
+@pytest.mark.parametrize("fmt, layout", [("hf-bitnet", None), ("int8x", "streams"), ("int8x", "native"),
+                                         ("int8x", "planes")])
 def test_kernel_candidate_passes_every_level(pytester, tmp_path, monkeypatch, fmt, layout):
     if layout:
         monkeypatch.setenv("PARITY_INT8X_LAYOUT", layout)  # the fixture's weights are wide: auto keeps streams
@@ -27,16 +28,23 @@ def test_kernel_candidate_passes_every_level(pytester, tmp_path, monkeypatch, fm
     assert all(t["isolated"]["passed"] for t in rep["taps"])
 
 
-@pytest.mark.parametrize("layout, native", [("native", True), ("streams", False), ("auto", False)])
-def test_kernel_candidate_serves_int8x_in_the_chosen_layout(tmp_path, monkeypatch, layout, native):
-    from vllm_parity.harness.kernel_candidate import build_kernel_model
+@pytest.mark.parametrize("layout, served", [("native", "native"), ("streams", "streams"), ("planes", "planes"),
+                                            ("auto", "streams")])
+def test_kernel_candidate_serves_int8x_in_the_chosen_layout(tmp_path, monkeypatch, layout, served):
+    """PARITY_INT8X_LAYOUT picks the layout, as in the vLLM method; ``auto`` on the small fixture's wide weights:
+    the streams (the planes' padding to 512 columns outweighs their saving at K = 128). Each tap reports that
+    layout's kernel."""
+    import torch
+
+    from vllm_parity.harness.kernel_candidate import build_kernel_model, kernel_for
     from vllm_parity.reference.checkpoint import Checkpoint
     from vllm_parity.serving.int8x_ops import KernelLinear
 
     monkeypatch.setenv("PARITY_INT8X_LAYOUT", layout)
     model = build_kernel_model(Checkpoint(make_fixture("int8x", tmp_path / "m", dims=SMALL)))
     linears = [m for m in model.modules() if isinstance(m, KernelLinear)]
-    assert linears and {m.native is not None for m in linears} == {native}
+    assert linears and {m.layout for m in linears} == {served}
+    assert kernel_for(linears[0], 1, torch.float32, torch.device("cpu")) == f"{served}_torch"
 
 
 def test_a_candidate_that_changes_its_weights_in_place_leaves_the_reference_alone(tmp_path):

@@ -11,7 +11,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_parity.errors import CheckpointError, DecodeError, FormatError
 from vllm_parity.reference.formats.int8x import Int8xSpec
-from vllm_parity.serving import choose, int8x_native, int8x_ops, int8x_planes
+from vllm_parity.serving import choose, int8x_ops, int8x_planes
 from vllm_parity.serving.int8x_load import DTYPES as INT8X_DTYPES
 from vllm_parity.serving.int8x_load import decode_streams
 from vllm_parity.serving.vllm.common import LoadTracker, ParityQuantConfig, Shard, _file_of, _release, \
@@ -19,21 +19,6 @@ from vllm_parity.serving.vllm.common import LoadTracker, ParityQuantConfig, Shar
 
 NATIVE_TENSORS = ("codes", "row_ptr", "outliers", "scale")
 PLANES_TENSORS = int8x_planes.TENSORS
-
-
-def _repack(q: torch.Tensor, streams: dict[str, torch.Tensor]):
-    """The layout a validated tensor set is served in: ``("native", Int8xNative)``, ``("planes", Int8xPlanes)``
-    or ``("streams", None)``, by ``PARITY_INT8X_LAYOUT`` (kernels/choose.py: ``auto`` tries native, then planes)."""
-    choice = choose.int8x_layout()
-    if choice in ("auto", "native"):
-        native = int8x_native.for_serving(q, streams)
-        if native is not None:
-            return "native", native
-    if choice in ("auto", "planes"):
-        planes = int8x_planes.for_serving(q, streams, choice)
-        if planes is not None:
-            return "planes", planes
-    return "streams", None
 
 
 def _fixed_shape(suffix: str, n: int, k: int, spec: Int8xSpec) -> tuple[int, ...] | None:
@@ -112,7 +97,7 @@ class Int8xLinearMethod(LinearMethodBase):
             except (FormatError, DecodeError) as exc:
                 tensor = str(exc).split(":", 1)[0]
                 raise CheckpointError(f"{_file_of(layer.parity_tracker.model_dir, tensor)}: {exc}") from None
-            layouts.append(_repack(q, streams))
+            layouts.append(int8x_ops.serving_layout(q, streams))
         layer.parity_shapes = [(s.n, s.k) for s in layer.parity_tracker.shards]
         layer.parity_n = sum(n for n, _ in layer.parity_shapes)
         device = layer.parity_streams[0]["weight_b1"].device

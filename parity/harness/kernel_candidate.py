@@ -54,7 +54,7 @@ class _Biased(nn.Module):
 
 # Row counts on each side of every threshold in choose.py: the choices over them are every branch a layer may take.
 _BOUNDS = (choose.TRITON_GEMV_MAX_M, choose.AUTO_CUDA_VEC_MAX_M, choose.MMA_MAX_M, choose.DEQUANT_MIN_M,
-           choose.INT8X_NATIVE_GEMV_MAX_M, choose.INT8X_GEMM_MIN_M)
+           choose.INT8X_NATIVE_GEMV_MAX_M, choose.INT8X_GEMM_MIN_M, choose.INT8X_PLANES_GEMV_MAX_M)
 
 
 def kernel_for(module: nn.Module, m: int, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -71,8 +71,11 @@ def kernel_for(module: nn.Module, m: int, dtype: torch.dtype, device: torch.devi
         return choose.ternary_kernel(backend, m, dtype, native.group_size, native.tiles is not None,
                                      native.act_quant)
     if isinstance(module, int8x_ops.KernelLinear):
-        if module.native is not None:
+        if module.layout == "native":
             return "native_" + choose.int8x_native_kernel(choose.int8x_native_backend(module.backend, device), m)
+        if module.layout == "planes":
+            backend = choose.int8x_planes_op_backend(choose.int8x_planes_backend(module.backend, device), device)
+            return "planes_" + choose.int8x_planes_kernel(backend, m)
         return "streams_" + choose.int8x_backend(module.backend, device)
     own = getattr(module, "kernel_for", None)
     return own(m, dtype, device) if callable(own) else None
