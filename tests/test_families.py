@@ -36,10 +36,14 @@ FAULTED = DENSE + ["bitnet", "mixtral",
                                                 pytest.param("qwen3_moe", marks=pytest.mark.nightly)]
 
 
-def _every_level_passes(s, arch):
+def _every_level_passes(s, arch, decode_steps: int = 0):
+    """Every tap of the prefill, in canonical order, and of each decode step, passes; so do the model checks."""
     judgement = s.judgement()
-    taps = [t.name for t in judgement.taps]
+    taps = [t.name for t in judgement.taps if t.phase == "prefill"]
     assert taps == [t for t in canonical_order(SMALL.layers, lookup(arch), s.ckpt.config) if not t.endswith(".input")]
+    for step in range(decode_steps):
+        assert [t.name for t in judgement.taps if t.phase == "decode" and t.step == step] == taps, step
+    assert len(judgement.taps) == len(taps) * (1 + decode_steps)
     assert set(OWN_TAPS.get(arch, [])) <= set(taps)
     failed = [(t.name, t.metrics.as_dict() if t.metrics else t.message) for t in judgement.taps if not t.passed]
     assert not failed, failed
@@ -111,7 +115,9 @@ def _faulty_run(model, tmp_path, llm, flipped, kv):
 def test_ternary_passes_and_planted_faults_are_localized(tmp_path, arch):
     dims = DIMS.get(arch, SMALL)
     model = make_fixture("seed-article", tmp_path / "t", dims=dims, arch=arch)
-    llm = checked_engine(model, tmp_path, lambda s: _every_level_passes(s, arch), level="model")
+    # the clean run with two decode steps: each family's KV cache and one-row kernels, tap by tap
+    llm = checked_engine(model, tmp_path, lambda s: _every_level_passes(s, arch, decode_steps=2), level="model",
+                         decode_steps=2)
     w = other_bit_order(model, O_PROJ)
     kv = dims.kv_heads * dims.hidden // dims.heads
     sources, hints = _faulty_run(model, tmp_path, llm, w, kv)
