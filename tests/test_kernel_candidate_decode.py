@@ -93,3 +93,52 @@ def test_kernel_choice_follows_the_kernel_linear(monkeypatch):
     assert [kernel_for(q, m, torch.float32, cpu) for m in (1, 2)] == ["triton_gemv", "triton_mm"]
     assert kernels_of(q, torch.float32, cpu) == ["triton_gemv", "triton_mm"]
     assert kernel_for(torch.nn.Linear(2, 2), 1, torch.float32, cpu) is None
+
+
+FAMILIES = ["qwen2", "gemma2", "gemma3_text", "phi3", "mixtral", "bitnet"]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_kernel_candidate_decodes_every_family(tmp_path, arch):
+    """The static-cache decode of each family (Gemma's sliding-window layers masked by their own window), prefill
+    and two decode steps passing at block level."""
+    from vllm_parity.fixtures.checkpoints import Dims, make_fixture
+
+    dims = Dims(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=256, vocab=1024)
+    model = make_fixture("seed-article", tmp_path / arch, dims=dims, arch=arch)
+    judgement, record = _judged(_run(tmp_path, model=str(model), level="block", decode_steps=2))
+    assert {(r.phase, r.step) for r in judgement.taps} == {("prefill", None), ("decode", 0), ("decode", 1)}
+    assert all(r.verdict for r in judgement.taps), [(r.name, r.phase, r.message) for r in judgement.taps
+                                                   if not r.verdict][:3]
+
+
+def test_a_sliding_window_shorter_than_the_prompts_is_masked_at_every_step(tmp_path):
+    """Gemma2 with a window of 16 positions against 64-token prompts: the sliding layers attend to their window
+    only, in the prefill and at each decode step, as the reference does."""
+    import json
+
+    from vllm_parity.fixtures.checkpoints import Dims, make_fixture
+
+    model = make_fixture("seed-article", tmp_path / "g", arch="gemma2",
+                         dims=Dims(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=256, vocab=1024))
+    config = json.loads((model / "config.json").read_text())
+    config["sliding_window"] = 16
+    (model / "config.json").write_text(json.dumps(config))
+    judgement, _ = _judged(_run(tmp_path, model=str(model), level="block", decode_steps=2))
+    assert {r.step for r in judgement.taps if r.phase == "decode"} == {0, 1}
+    assert all(r.verdict for r in judgement.taps), [(r.name, r.phase, r.message) for r in judgement.taps
+                                                   if not r.verdict][:3]
+
+
+def test_latent_attention_says_why_its_decode_steps_are_not_compared(tmp_path):
+    """MiniCPM3's latent attention caches compressed keys and applies kv_b over every cached position, so a
+    static cache's rows are not the forward's: the kernels candidate compares its prefill only, and says why."""
+    from vllm_parity.fixtures.checkpoints import Dims, make_fixture
+
+    dims = Dims(hidden=128, layers=2, heads=2, kv_heads=2, intermediate=256, vocab=1024)
+    model = make_fixture("seed-article", tmp_path / "m", dims=dims, arch="minicpm3")
+    s = _run(tmp_path, model=str(model), level="block", decode_steps=2)
+    assert "latent attention" in s.why_no_decode()
+    judgement, record = _judged(s)
+    assert {r.phase for r in judgement.taps} == {"prefill"} and all(r.verdict for r in judgement.taps)
+    assert "latent attention" in record["run"]["decode_skipped"]

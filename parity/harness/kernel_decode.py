@@ -169,6 +169,33 @@ def _forward(model: nn.Module, ids: list[int], device: torch.device) -> torch.Te
         return model(torch.tensor([ids], dtype=torch.long, device=device), use_cache=False).logits[0, -1].float()
 
 
+def _layer_types(config) -> tuple[list[str], int | None]:
+    """Each decoder layer's attention type (``config.layer_types``, else sliding where the config sets a window,
+    as transformers infers them) and the sliding window (None: no sliding layer)."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = list(getattr(config, "layer_types", None) or
+                 ["sliding_attention" if window is not None else "full_attention"] * n)
+    other = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if other:
+        raise ValueError(f"decode steps on a static KV cache: layer types {other} are not supported (full and "
+                         f"sliding attention are)")
+    return types, window if "sliding_attention" in types else None
+
+
+def why_no_static_decode(config: dict) -> str | None:
+    """Why the kernels candidate cannot run decode steps on a static KV cache for this model config (None: it
+    can)."""
+    if config.get("kv_lora_rank"):
+        return ("the kernels candidate's static KV cache holds latent attention's compressed keys and kv_b runs over "
+                "every cached position, so its rows are not the forward's: its decode steps are not compared (the "
+                "vllm candidate's are)")
+    other = sorted(set(config.get("layer_types") or []) - {"full_attention", "sliding_attention"})
+    if other:
+        return f"the kernels candidate's static KV cache supports full and sliding attention layers, not {other}"
+    return None
+
+
 def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where a query may attend, the dtype's lowest value elsewhere (transformers' own masks' convention)."""
     return (~allowed).to(dtype) * torch.finfo(dtype).min
@@ -180,11 +207,14 @@ class _Stepper:
 
     def __init__(self, model: nn.Module, max_len: int, dtype: torch.dtype, device: torch.device, graph: bool,
                  taps: "_StepTaps", kernels: "_KernelLog"):
-        from transformers import StaticCache
+        from transformers.cache_utils import Cache, StaticLayer
 
         self.model, self.device, self.dtype, self.max_len = model, device, dtype, max_len
         self.taps, self.kernels = taps, kernels
-        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.layer_types, self.window = _layer_types(model.config.get_text_config(decoder=True))
+        # Every layer's cache holds every position (a sliding layer's own static cache rolls by a host-side count,
+        # which a captured graph would freeze): the sliding layers see their window through their mask.
+        self.cache = Cache(layers=[StaticLayer(max_cache_len=max_len) for _ in self.layer_types])
         self.kv_index = torch.arange(max_len, device=device).view(1, 1, 1, max_len)
         self.ids = torch.zeros((1, 1), dtype=torch.long, device=device)
         self.pos = torch.zeros((1, 1), dtype=torch.long, device=device)
@@ -192,9 +222,18 @@ class _Stepper:
         if graph:
             self._capture()
 
+    def _masks(self, q_pos: torch.Tensor):
+        """The additive mask of each layer type for queries at ``q_pos`` (broadcast over the cache's positions):
+        one tensor where every layer has the same type, else a dict by type (as the models' own mask mappings)."""
+        causal = self.kv_index <= q_pos
+        masks = {"full_attention": causal}
+        if self.window is not None:
+            masks["sliding_attention"] = causal & (self.kv_index > q_pos - self.window)
+        masks = {t: _additive_mask(m, self.dtype) for t, m in masks.items() if t in self.layer_types}
+        return next(iter(masks.values())) if len(masks) == 1 else masks
+
     def _decode(self) -> torch.Tensor:
-        mask = _additive_mask(self.kv_index <= self.pos.view(1, 1, 1, 1), self.dtype)
-        out = self.model(input_ids=self.ids, position_ids=self.pos, attention_mask=mask,
+        out = self.model(input_ids=self.ids, position_ids=self.pos, attention_mask=self._masks(self.pos.view(1, 1, 1, 1)),
                          past_key_values=self.cache, use_cache=True)
         return out.logits[:, -1]
 
@@ -227,10 +266,10 @@ class _Stepper:
         if n + 1 > self.max_len:
             raise ValueError(f"a prompt of {n} tokens does not fit a cache of {self.max_len}")
         pos = torch.arange(n, device=self.device).view(1, n)
-        mask = _additive_mask(self.kv_index <= pos.view(1, 1, n, 1), self.dtype)
         with torch.no_grad():
             out = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device), position_ids=pos,
-                             attention_mask=mask, past_key_values=self.cache, use_cache=True)
+                             attention_mask=self._masks(pos.view(1, 1, n, 1)), past_key_values=self.cache,
+                             use_cache=True)
         self.check_length(n, None)
         return out.logits[0, -1].float()
 

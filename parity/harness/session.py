@@ -144,6 +144,11 @@ class ParitySession:
             return None
         if self.opts.compiled:
             return "the compiled engine runs no hooks"
+        if self.opts.candidate == "kernels":
+            from vllm_parity.harness.kernel_decode import why_no_static_decode
+
+            if reason := why_no_static_decode(self.ckpt.config):
+                return reason
         if self._golden is not None and not self._golden.manifest.get("decode", {}).get("steps"):
             return f"the golden reference {self._golden.root} holds no decode steps (regenerate it with " \
                    f"--parity-update-golden)"
