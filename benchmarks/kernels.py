@@ -12,6 +12,7 @@ run, and the fraction of the device-to-device copy bandwidth measured at the sta
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -478,23 +479,43 @@ def int8x_native_rows(q: torch.Tensor, tensors: dict, stream_bytes: int, copy_gb
     return rows
 
 
+@functools.lru_cache(maxsize=None)
+def planes_weight(k: int, n: int, dist: str):
+    """q (n, k) int8 of the seed level mix or round(N(0, 2.5^2)) and its planes layout on the GPU (scale 0.01),
+    made once per run: the rows and the sweep share them (the seed mix takes tens of seconds on the host)."""
+    from vllm_parity.fixtures.weights import gaussian, seed_mix
+    from vllm_parity.serving import int8x_planes
+
+    q = seed_mix(n, k, seed=3) if dist == "seed-mix" else gaussian(n, k, 2.5, seed=3)
+    return q, int8x_planes.pack(q, torch.tensor([0.01])).to("cuda")
+
+
+PLANES_TARGETS = list(itertools.product([(4096, 14336), (14336, 4096)], ("seed-mix", "gaussian-2.5")))
+
+
+def planes_rotations(k: int, n: int, dist: str):
+    """The layout of :func:`planes_weight` and its bf16 weight, each with copies rotated over 256 MiB:
+    ``base, (layouts, next_layout), (bf16 copies, next_wb)``."""
+    from vllm_parity.serving import int8x_planes
+
+    q, base = planes_weight(k, n, dist)
+    layouts = rotating(lambda: base._replace(**{name: getattr(base, name).clone() for name in int8x_planes.TENSORS}),
+                       base.nbytes)
+    wb = (q.to(torch.float32) * 0.01).to(torch.bfloat16).cuda()
+    return base, layouts, rotating(lambda: wb.clone(), wb.numel() * 2, cap=32)
+
+
 def int8x_planes_rows(copy_gbps: float) -> list[dict]:
     """The planes layout (5-bit plane + fixup records, kernels/int8x_planes.py) at both target shapes on the seed
     level mix and on round(N(0, 2.5^2)): the tensor-core GEMV at M = 1 and 16 (bf16 x) and the decode to a dense
     bf16 weight, its copies rotated over 256 MiB, against torch bf16 F.linear measured beside it."""
-    from vllm_parity.fixtures.weights import gaussian, seed_mix
-    from vllm_parity.serving import int8x_planes, int8x_planes_cuda
+    from vllm_parity.serving import int8x_planes_cuda
 
     if not int8x_planes_cuda.available():
         return [dict(kernel="int8x_planes", error="no nvcc: the planes kernels cannot be built")]
     rows = []
-    for (k, n), dist in itertools.product([(4096, 14336), (14336, 4096)], ("seed-mix", "gaussian-2.5")):
-        q = seed_mix(n, k, seed=3) if dist == "seed-mix" else gaussian(n, k, 2.5, seed=3)
-        base = int8x_planes.pack(q, torch.tensor([0.01])).to("cuda")
-        layouts, next_layout = rotating(lambda: base._replace(**{name: getattr(base, name).clone() for name in
-                                                                 int8x_planes.TENSORS}), base.nbytes)
-        wb = (q.to(torch.float32) * 0.01).to(torch.bfloat16).cuda()
-        copies, next_wb = rotating(lambda: wb.clone(), wb.numel() * 2, cap=32)
+    for (k, n), dist in PLANES_TARGETS:
+        base, (layouts, next_layout), (copies, next_wb) = planes_rotations(k, n, dist)
         info = dict(K=k, N=n, dist=dist, dtype="bfloat16", bits_per_weight=round(base.bits_per_weight, 4),
                     fixups=base.fixups, baseline="torch_bf16_linear")
         base_us = None
@@ -522,6 +543,76 @@ def int8x_planes_rows(copy_gbps: float) -> list[dict]:
     return rows
 
 
+PLANES_SWEEP_WARPS = (2, 4, 8, 12, 16)
+PLANES_SWEEP_TILES = (1, 2, 3, 4)
+
+
+def int8x_planes_sweep(copy_gbps: float) -> list[dict]:
+    """The planes GEMV's launch configurations (``config = (warps, tiles_per_cta)``, see
+    ``int8x_planes_cuda.resolve_config``) at both target shapes, both weight distributions and M in 1, 4, 16
+    (bf16 x), each timed like the rows (CUDA graph, copies rotated over 256 MiB) beside the default and torch
+    bf16 F.linear; configs that give the same launch are timed once, ones the device cannot hold are rows with
+    an error; at M = 1 the configs the lean kernel variant runs are timed on the wide one too (``lean`` False).
+    Prints the best per (shape, dist, M)."""
+    from vllm_parity.serving import int8x_planes_cuda
+
+    if not int8x_planes_cuda.available():
+        return [dict(kernel="int8x_planes_sweep", error="no nvcc: the planes kernels cannot be built")]
+    rows = []
+    t0 = time.time()
+    for (k, n), dist in PLANES_TARGETS:
+        base, (layouts, next_layout), (copies, next_wb) = planes_rotations(k, n, dist)
+        info = dict(kernel="int8x_planes_linear_cuda_sweep", K=k, N=n, dist=dist, dtype="bfloat16",
+                    bits_per_weight=round(base.bits_per_weight, 4), baseline="torch_bf16_linear")
+        configs, seen = [None], set()
+        for cfg in itertools.product(PLANES_SWEEP_WARPS, PLANES_SWEEP_TILES):
+            try:
+                launch = int8x_planes_cuda.resolve_config(cfg, k)
+            except ValueError:
+                continue
+            if launch not in seen:
+                seen.add(launch)
+                configs.append(cfg)
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            base_us = graph_us(lambda: F.linear(x, next_wb()), len(copies))
+            moved = base.nbytes + (k + n) * 2 * m
+            # M = 1: CTAs of at most 8 warps run the lean variant (80 registers, 3 CTAs an SM); also time them on
+            # the 512-thread one.
+            wide = [(*cfg, False) for cfg in configs[1:] if m == 1 and
+                    math.prod(int8x_planes_cuda.resolve_config(cfg, k)[::2]) <= 8]
+            for cfg in configs + wide:
+                launch = None if cfg is None else int8x_planes_cuda.resolve_config(cfg, k)
+                row = dict(info, M=m, config="default" if cfg is None else list(cfg),
+                           launch=None if launch is None else dict(
+                               warps_per_tile=launch[0], chunks_per_warp=launch[1], tiles_per_cta=launch[2],
+                               variant="lean" if m == 1 and len(cfg) == 2 and launch[0] * launch[2] <= 8
+                               else "wide"),
+                           baseline_us=round(base_us, 3))
+                try:
+                    us = graph_us(lambda cfg=cfg: int8x_planes_cuda.linear(x, next_layout(), config=cfg),
+                                  len(layouts))
+                except (ValueError, RuntimeError) as exc:  # e.g. more shared memory than the device allows
+                    rows.append(dict(row, error=str(exc).splitlines()[0][:300]))
+                    continue
+                rows.append(dict(row, median_us=round(us, 3), gbps=round(moved / us / 1e3, 1),
+                                 bw_frac=round(moved / us / 1e3 / copy_gbps, 4), speedup=round(base_us / us, 3)))
+        del layouts, copies
+    print(f"  planes sweep: {len(rows)} rows in {time.time() - t0:.0f} s", flush=True)
+    best = {}
+    for r in rows:
+        key = (r["K"], r["N"], r["dist"], r["M"])
+        if "error" not in r and (key not in best or r["median_us"] < best[key]["median_us"]):
+            best[key] = r
+    default = {(r["K"], r["N"], r["dist"], r["M"]): r for r in rows if r["config"] == "default" and "error" not in r}
+    for key, r in sorted(best.items()):
+        d = default.get(key)
+        print(f"  best K={key[0]:5d} N={key[1]:5d} {key[2]:12s} M={key[3]:2d} config {str(r['config']):8s} "
+              f"{r['launch']} {r['median_us']:8.2f} us x{r['speedup']:.2f} ({r['bw_frac']:.2f} of copy)"
+              + (f"  default {d['median_us']:8.2f} us x{d['speedup']:.2f}" if d else ""), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "kernels_h200.json"))
@@ -531,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--floor", action="store_true", help="also time near-empty calls in the same harness")
     ap.add_argument("--only-int8x", action="store_true", help="INT8-X rows only")
     ap.add_argument("--only-int8x-planes", action="store_true", help="the INT8-X planes layout's rows only")
+    ap.add_argument("--planes-sweep", action="store_true",
+                    help="also sweep the INT8-X planes GEMV's launch configurations (int8x_planes_sweep)")
     ap.add_argument("--ms", default=None, help="comma-separated M values (default: all, or 1,16,512 with --quick)")
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA extension kernels")
     ap.add_argument("--no-int8x", action="store_true", help="skip the INT8-X rows")
@@ -562,6 +655,10 @@ def main(argv: list[str] | None = None) -> int:
     result = dict(header=header, rows=[], sweep=[], int8x=[], floor=[], eager=[])
     if args.only_int8x_planes:
         result["int8x"] = int8x_planes_rows(copy_gbps)
+        if args.planes_sweep:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))  # the rows survive a failing sweep
+            result["planes_sweep"] = int8x_planes_sweep(copy_gbps)
         header["seconds"] = round(time.time() - t0, 1)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
@@ -592,6 +689,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result["int8x"] = int8x_rows(copy_gbps)
             result["int8x"] += int8x_planes_rows(copy_gbps)
+            if args.planes_sweep:
+                result["planes_sweep"] = int8x_planes_sweep(copy_gbps)
         except Exception as exc:
             result["int8x"] = [dict(error=f"{type(exc).__name__}: {exc}"[:500])]
             print(f"int8x: FAILED {exc}", file=sys.stderr)

@@ -3,11 +3,19 @@
     ncu --clock-control none -k regex:mma_kernel -c 1 python3 benchmarks/profile_one.py cuda_mma 4096 14336 1
 
 A fifth argument, a JSON object, sets the tensor-core kernel's configuration (``vllm_parity.serving.ternary_cuda.mma_config``).
+
+The int8x planes GEMV (kernels/int8x_planes_cuda.py) on the seed mix, bf16 x, three calls (skip two: the first
+builds nothing but may touch cold memory):
+
+    ncu --set full -k regex:linear_kernel --launch-skip 2 --launch-count 1 \
+        python3 benchmarks/profile_one.py planes --m 1 [--k 4096 --n 14336 --dist seed-mix --config 8,1]
+        [--cache /tmp/planes.pt]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -17,7 +25,43 @@ from vllm_parity.serving import ternary_cuda, ternary_ops
 from vllm_parity.serving.ternary_repack import repack
 
 
+def planes(argv: list[str]) -> int:
+    import argparse
+
+    from vllm_parity.fixtures.weights import gaussian, seed_mix
+    from vllm_parity.serving import int8x_planes, int8x_planes_cuda
+
+    ap = argparse.ArgumentParser(prog="profile_one.py planes")
+    ap.add_argument("--m", type=int, default=1)
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--n", type=int, default=14336)
+    ap.add_argument("--dist", choices=("seed-mix", "gaussian-2.5"), default="seed-mix")
+    ap.add_argument("--config", default=None, help="warps,tiles_per_cta (default: the kernel's choice)")
+    ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--cache", default=None, help="a file for the packed layout: read if there, else written")
+    args = ap.parse_args(argv)
+    if args.cache and os.path.exists(args.cache):
+        layout = int8x_planes.Int8xPlanes(**torch.load(args.cache))
+        if (layout.n, layout.k) != (args.n, args.k):
+            raise SystemExit(f"{args.cache} holds a ({layout.n}, {layout.k}) weight, not ({args.n}, {args.k})")
+    else:  # the seed mix takes tens of seconds on the host
+        q = seed_mix(args.n, args.k, seed=3) if args.dist == "seed-mix" else gaussian(args.n, args.k, 2.5, seed=3)
+        layout = int8x_planes.pack(q, torch.tensor([0.01]))
+        if args.cache:
+            torch.save(layout._asdict(), args.cache)
+    layout = layout.to("cuda")
+    config = tuple(int(v) for v in args.config.split(",")) if args.config else None
+    x = torch.randn(args.m, args.k, device="cuda", dtype=torch.bfloat16)
+    int8x_planes_cuda.extension()  # built (or loaded) before the profiled calls
+    for _ in range(args.calls):
+        int8x_planes_cuda.linear(x, layout, config=config)
+    torch.cuda.synchronize()
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "planes":
+        return planes(argv[1:])
     kernel, k, n, m = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
     spec = PRESETS["seed-article"]
     values = torch.randint(-1, 2, (n, k), generator=torch.Generator().manual_seed(0))

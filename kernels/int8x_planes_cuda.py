@@ -13,7 +13,17 @@ import torch
 from vllm_parity.serving.cuda_build import LazyExtension, available  # noqa: F401  (available: re-exported)
 from vllm_parity.serving.int8x_planes import Int8xPlanes, check
 
-__all__ = ["available", "extension", "decode", "linear"]
+__all__ = ["available", "extension", "decode", "linear", "resolve_config"]
+
+# Launch bound of the GEMV kernels (csrc/int8x_planes.cu, Bounds): threads a CTA. At M = 1 a CTA of at most 256
+# threads runs the variant bounded at 256 threads and 3 CTAs an SM (fewer registers, more resident warps).
+MAX_THREADS = 512
+LEAN_THREADS_M1 = 256
+MAX_TILES_PER_CTA = 4
+MAX_WARPS = 16
+# Shared memory of a CTA (csrc/int8x_planes.cu, linear_smem): each warp of a tile stages x for its chunk run
+# (XT token rows of XSTRIDE elements) and every warp its records; the reduction reuses the same bytes.
+XSTRIDE, REC_BYTES, TILE_ROWS = 512 + 8, 1024 + 512 + 16, 16
 
 extension = LazyExtension("vllm_parity_int8x_planes", "int8x_planes.cu", "int8x planes CUDA kernels")
 
@@ -40,12 +50,69 @@ def decode(layout: Int8xPlanes, dtype: torch.dtype = torch.bfloat16, out: torch.
     return out
 
 
-def linear(x: torch.Tensor, layout: Int8xPlanes, out: torch.Tensor | None = None) -> torch.Tensor:
+def _parse(config) -> tuple[int, int, bool | None]:
+    if isinstance(config, dict):
+        config = (config.get("warps"), config.get("tiles_per_cta", 1), config.get("lean"))
+    if (not isinstance(config, (tuple, list)) or len(config) not in (2, 3)
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in config[:2])
+            or not (len(config) == 2 or config[2] is None or isinstance(config[2], bool))):
+        raise ValueError(f"int8x planes cuda linear: config must be (warps, tiles_per_cta) or (warps, tiles_per_cta, "
+                         f"lean), two ints and a bool, got {config!r}")
+    return config[0], config[1], config[2] if len(config) == 3 else None
+
+
+def resolve_config(config, k: int) -> tuple[int, int, int]:
+    """The launch an explicit ``config = (warps, tiles_per_cta)`` gives for ``k`` columns:
+    ``(warps_per_tile, chunks_per_warp, tiles_per_cta)``. ``warps`` is the most warps per tile: the tile's
+    ceil(k / 512) chunks go to ceil(chunks / warps) chunks a warp, as few warps as that needs. ``ValueError``
+    for a config the kernels cannot launch (shared memory is checked at the launch, against the device).
+    A third element ``lean`` (M = 1 only) picks the kernel variant: True the one bounded at 256 threads and 3 CTAs
+    an SM (80 registers; CTAs of at most 8 warps), False the one bounded at 512 threads (no spills), None (or
+    absent) the lean one where the CTA fits it."""
+    warps, tpc, _ = _parse(config)
+    if not 1 <= warps <= MAX_WARPS:
+        raise ValueError(f"int8x planes cuda linear: config warps must be 1 .. {MAX_WARPS}, got {warps}")
+    if not 1 <= tpc <= MAX_TILES_PER_CTA:
+        raise ValueError(f"int8x planes cuda linear: config tiles_per_cta must be 1 .. {MAX_TILES_PER_CTA}, got {tpc}")
+    chunks = -(-k // 512)
+    cpw = -(-chunks // warps)
+    wpt = -(-chunks // cpw)
+    if wpt * tpc * 32 > MAX_THREADS:
+        raise ValueError(f"int8x planes cuda linear: config {config!r} gives {wpt} warps per tile x {tpc} tiles "
+                         f"per CTA = {wpt * tpc * 32} threads for K={k}, more than the kernel's {MAX_THREADS}")
+    return wpt, cpw, tpc
+
+
+def smem_bytes(m: int, wpt: int, tpc: int) -> int:
+    """The shared memory a CTA of ``wpt`` warps per tile and ``tpc`` tiles takes for ``m`` rows of x."""
+    mt = 1 if m == 1 else 8 if m <= 8 else 16
+    staged = wpt * mt * XSTRIDE * 2 + wpt * tpc * REC_BYTES
+    return max(staged, wpt * tpc * TILE_ROWS * mt * 4)
+
+
+def linear(x: torch.Tensor, layout: Int8xPlanes, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
     """``y = x @ W^T`` for 2-D fp16 / bf16 ``x`` of shape ``(M, K)`` on the tensor cores, W decoded in registers;
     ``y`` in x's dtype (or written into ``out``, any strides).
 
     One pass over the weight per 16 rows of x (grid.y slices larger M), fp32 accumulation. ``x`` may have any
-    row stride; a column stride other than 1 costs a contiguous copy."""
+    row stride; a column stride other than 1 costs a contiguous copy. ``config``: None (the kernel's choice by
+    shape) or ``(warps, tiles_per_cta[, lean])`` (or a dict with those keys), see :func:`resolve_config`; tiles
+    of one CTA share each chunk's staged x."""
+    launch = (0, 0, -1)  # the kernel's choice
+    if config is not None:
+        wpt, _, tpc = resolve_config(config, layout.k)
+        lean = _parse(config)[2]
+        if lean and (x.dim() != 2 or x.shape[0] != 1 or wpt * tpc * 32 > LEAN_THREADS_M1):
+            raise ValueError(f"int8x planes cuda linear: config {config!r}: the lean variant is for M = 1 and CTAs of "
+                             f"at most {LEAN_THREADS_M1} threads, got x {tuple(x.shape)} and {wpt * tpc * 32} threads")
+        launch = (wpt, tpc, -1 if lean is None else int(lean))
+        # Checked here, not in the extension: an error raised inside it ends the process on some CUDA images.
+        props = torch.cuda.get_device_properties(x.device)
+        allowed = getattr(props, "shared_memory_per_block_optin", 227 * 1024)
+        need = smem_bytes(x.shape[0] if x.dim() == 2 else 2, wpt, tpc)
+        if need > allowed:
+            raise ValueError(f"int8x planes cuda linear: config {config!r} needs {need} bytes of shared memory for "
+                             f"M={x.shape[0] if x.dim() == 2 else '?'}, the device allows {allowed}")
     if x.dim() != 2 or x.shape[1] != layout.k:
         raise ValueError(f"int8x planes cuda linear: x must be (M, {layout.k}), got {tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16):
@@ -60,5 +127,5 @@ def linear(x: torch.Tensor, layout: Int8xPlanes, out: torch.Tensor | None = None
         return out
     if x.stride(1) != 1 and layout.k > 1:
         x = x.contiguous()
-    extension().linear(x, *layout.tensors, layout.n, layout.k, out)
+    extension().linear(x, *layout.tensors, layout.n, layout.k, out, *launch)
     return out

@@ -1,8 +1,9 @@
 """The int8x planes layout (5-bit plane + fixup records): lossless repack, its bytes, its op against fp64.
 
 GPU tests (``@pytest.mark.gpu``) add the CUDA kernels (csrc/int8x_planes.cu): the tensor-core GEMV against the
-torch path for M in 1, 7, 16, 40, sync-free and CUDA-graph checks, NaN propagation, and the decode kernel
-bit-exact against :func:`unpack`. Outputs are NaN-poisoned before each launch, so an unwritten element fails.
+torch path for M in 1, 7, 16, 40 and every M in 1..40 (the staged x of 1, 8 and 16 tokens, grid.y slices), with
+explicit launch configurations (warps per tile, tiles per CTA sharing the staged x), sync-free and CUDA-graph
+checks, NaN propagation, and the decode kernel bit-exact against :func:`unpack`. Outputs are NaN-poisoned before each launch, so an unwritten element fails.
 """
 
 from __future__ import annotations
@@ -161,6 +162,31 @@ def test_bad_input_is_a_clear_error():
         pl.linear(torch.randn(1, 600), lay._replace(k=600), backend="torch")
 
 
+def test_cuda_config_validation():
+    """Explicit GEMV configurations are checked on the host, without a GPU."""
+    from vllm_parity.serving import int8x_planes_cuda as kc
+
+    assert kc.resolve_config((8, 1), 4096) == (8, 1, 1)      # 8 chunks: one a warp
+    assert kc.resolve_config((3, 2), 4096) == (3, 3, 2)      # 3 chunks a warp -> 3 warps
+    assert kc.resolve_config((16, 1), 14336) == (14, 2, 1)   # 28 chunks
+    assert kc.resolve_config({"warps": 4, "tiles_per_cta": 4}, 600) == (2, 1, 4)
+    assert kc.resolve_config((8, 1, False), 4096) == kc.resolve_config((8, 1, True), 4096) == (8, 1, 1)
+    for bad, match in [((0, 1), "warps must be 1 .. 16"), ((17, 1), "warps must be 1 .. 16"),
+                       ((4, 0), "tiles_per_cta must be 1 .. 4"), ((4, 5), "tiles_per_cta must be 1 .. 4"),
+                       ((4,), "two ints"), ((4.0, 1), "two ints"), ("8x1", "two ints"),
+                       ((4, 1, 1), "and a bool"), ((4, 1, True, 2), "two ints")]:
+        with pytest.raises(ValueError, match=match):
+            kc.resolve_config(bad, 4096)
+    with pytest.raises(ValueError, match="1024 threads for K=4096, more than the kernel's 512"):
+        kc.resolve_config((8, 4), 4096)
+    # shared memory, as the kernel lays it out: x staged per warp of a tile (1, 8 or 16 token rows of 520
+    # elements), 1552 bytes of records per warp, or the reduction's 16 rows x tokens x 4 bytes per warp if larger
+    assert kc.smem_bytes(1, 8, 1) == 8 * 1040 + 8 * 1552
+    assert kc.smem_bytes(5, 4, 2) == 4 * 8 * 1040 + 8 * 1552
+    assert kc.smem_bytes(16, 16, 1) == 16 * 16 * 1040 + 16 * 1552 > 227 * 1024  # the device cannot hold it
+    assert kc.smem_bytes(16, 1, 4) == max(16 * 1040 + 4 * 1552, 4 * 16 * 16 * 4)
+
+
 # -- GPU ------------------------------------------------------------------------------------------
 
 
@@ -188,6 +214,79 @@ def test_gpu_linear_matches_torch(q, dtype, data):
     with poisoned_allocations():  # the GEMV kernel itself for every M (grid.y slices of 16 rows)
         y2 = kc.linear(x2, lay)
     assert_rel_close(y2, _ref(x2, q), LINEAR_BOUND[dtype], f"cuda gemv {layout} {dtype} q{tuple(q.shape)}")
+
+
+def _fixup_heavy(n: int, k: int, seed: int) -> torch.Tensor:
+    """The seed mix with the extremes and whole rows of fixups, so every row and chunk has records."""
+    q = seed_mix(n, k, seed=seed)
+    q[0, 0], q[-1, -1], q[n // 2, :] = -128, 127, 64
+    q[:, k // 2] = -100
+    return q
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_linear_every_m(dtype):
+    """M = 1 .. 40 one by one (staged x of 1, 8 or 16 tokens, zero tokens past M, grid.y slices), K past a chunk
+    boundary (1104: 16-byte staging; 1037: not a multiple of 8, elementwise), N past a tile; contiguous x and x with a
+    row stride that is not 16-byte aligned."""
+    kc = _cuda_ready()
+    g = torch.Generator().manual_seed(11)
+    for n, k in [(50, 1104), (33, 1037)]:
+        q = _fixup_heavy(n, k, seed=n)
+        lay = _layout(q, device="cuda")
+        for m in range(1, 41):
+            wide = torch.randn(m, k + 3, generator=g).to("cuda", dtype)
+            for x in (wide[:, :k].contiguous(), wide[:, :k]):
+                with poisoned_allocations():
+                    y = kc.linear(x, lay)
+                assert_rel_close(y, _ref(x, q), LINEAR_BOUND[dtype], f"M={m} {dtype} q{tuple(q.shape)} "
+                                 f"stride {x.stride()}")
+
+
+GPU_CONFIGS = [(1, 1), (2, 1), (3, 1), (8, 1), (16, 1), (1, 2), (2, 2), (3, 3), (4, 4), (8, 2), (4, 2), (8, 1, False),
+               (2, 2, False)]
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=["w{}t{}".format(*c) + ("wide" if len(c) > 2 else "")
+                                                     for c in GPU_CONFIGS])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_linear_configs(config, dtype):
+    """Explicit (warps, tiles_per_cta) against the reference for M in 1, 5, 8, 9, 16, 23, 40: 7 tiles (a partial
+    last CTA for 2, 3, 4 tiles a CTA), 6 chunks (uneven runs)."""
+    kc = _cuda_ready()
+    g = torch.Generator().manual_seed(12)
+    n, k = 100, 2600
+    q = _fixup_heavy(n, k, seed=13)
+    lay = _layout(q, device="cuda")
+    for m in (1, 5, 8, 9, 16, 23, 40):
+        x = torch.randn(m, k, generator=g).to("cuda", dtype)
+        with poisoned_allocations():
+            y = kc.linear(x, lay, config=config)
+        assert_rel_close(y, _ref(x, q), LINEAR_BOUND[dtype], f"config {config} M={m} {dtype}")
+    x = torch.randn(1, k, generator=g).to("cuda", dtype)  # the lean variant asked for explicitly
+    if kc.resolve_config(config, k)[0] * kc.resolve_config(config, k)[2] <= 8:
+        with poisoned_allocations():
+            y = kc.linear(x, lay, config=(*config[:2], True))
+        assert_rel_close(y, _ref(x, q), LINEAR_BOUND[dtype], f"config {config} lean {dtype}")
+    else:
+        with pytest.raises(ValueError, match="the lean variant is for M = 1 and CTAs of at most 256 threads"):
+            kc.linear(x, lay, config=(*config[:2], True))
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_linear_config_too_much_shared_memory():
+    kc = _cuda_ready()
+    q = seed_mix(16, 16 * 512, seed=14)
+    lay = _layout(q, device="cuda")
+    x = torch.randn(16, 16 * 512, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bytes of shared memory"):  # raised before the launch, in Python
+        kc.linear(x, lay, config=(16, 1))  # 16 warps x 16 staged tokens
+    assert_rel_close(kc.linear(x, lay, config=(8, 1)), _ref(x, q), LINEAR_BOUND[torch.bfloat16], "8 warps")
 
 
 @pytest.mark.gpu

@@ -76,8 +76,9 @@ def test_the_wheel_is_one_namespace_and_complete(wheel):
         for path in (REPO / folder).rglob("*.py"):
             inside = f"{package}/{path.relative_to(REPO / folder).as_posix()}"
             assert inside in names, f"{wheel.name} lacks {inside} ({path.relative_to(REPO)})"
-    for needed in ("vllm_parity/serving/csrc/ternary.cu", "vllm_parity/serving/csrc/int8x.cu",
-                   "vllm_parity/serving/csrc/dtypes.cuh", "vllm_parity/fixtures/prompts/default.json",
+    csrc = [f"vllm_parity/serving/csrc/{p.name}" for p in sorted((REPO / "kernels" / "csrc").iterdir())]
+    assert "vllm_parity/serving/csrc/launch.cuh" in csrc  # every CUDA source and header the extensions include
+    for needed in (*csrc, "vllm_parity/fixtures/prompts/default.json",
                    "vllm_parity/fixtures/prompts/short.json", "vllm_parity/reference/golden/default/manifest.json"):
         assert needed in names, f"{wheel.name} lacks {needed}"
     golden = json.loads(zipfile.ZipFile(wheel).read("vllm_parity/reference/golden/default/manifest.json"))

@@ -33,6 +33,7 @@
 #include <stdint.h>
 
 #include "dtypes.cuh"
+#include "launch.cuh"
 
 namespace {
 
@@ -521,11 +522,7 @@ Streams make_streams(const torch::Tensor& b1, const torch::Tensor& b2, const tor
   return s;
 }
 
-template <typename K>
-void set_smem(K kernel, int64_t bytes) {
-  if (bytes > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
-}
+using parity::set_smem;
 
 void decode(torch::Tensor b1, torch::Tensor b2, torch::Tensor l1, torch::Tensor l2, torch::Tensor l3,
             torch::Tensor b1_blk, torch::Tensor b2_blk, torch::Tensor scale, int64_t n_rows, int64_t n_cols,

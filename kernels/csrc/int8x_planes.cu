@@ -1,17 +1,22 @@
 // int8x in the planes layout (kernels/int8x_planes.py): fused decode-GEMV on the tensor cores, and decode to a
 // dense weight.
 //
-// GEMV, y = x @ W^T for up to 16 rows of x per CTA row (grid.y slices larger M): a CTA owns one tile of 16
-// weight rows, its warps split the tile's 512-column chunks in equal runs. Per chunk a warp
-//  * stages x[m0 .. m0 + M) over the chunk's columns in its own shared slice, transposed to [column][token]
-//    (MT = 1: one token, [column]), zeros past K and past M,
-//  * applies the chunk's fixup records: they are copied to shared memory with coalesced loads, then lane l walks
-//    the records of row l % 16 with parity l / 16, adding h * x[column] per token to fp32 registers,
+// GEMV, y = x @ W^T for up to 16 rows of x per CTA row (grid.y slices larger M): a CTA owns `tpc` tiles of 16
+// weight rows (1 unless the host asks for more), each tile `wpt` warps that split its 512-column chunks in equal
+// runs; warp w of every tile walks the same chunks. Per chunk
+//  * the warps that walk it (one per tile) stage x[m0 .. m0 + M) over the chunk's columns once, in shared memory
+//    as [token][column] rows of XSTRIDE elements (the padding puts the rows of 8 tokens in distinct banks), with
+//    coalesced 16-byte loads and stores; tokens past M stay zero, columns past K are zero. With one tile per CTA
+//    the warp stages alone (__syncwarp), else the tiles' warps meet at a named barrier (one per chunk run),
+//  * each warp applies its tile's fixup records for the chunk: they are copied to shared memory with coalesced
+//    loads, then lane l walks the records of row l % 16 with parity l / 16, adding h * x[token][column] per
+//    token to fp32 registers,
 //  * per 256-column block (the next one's five 16-byte loads per lane in flight meanwhile) runs 16
 //    mma.m16n8k16 (two per k-step for M > 8) with A decoded from the plane: a pair of codes c becomes
 //    the fp16 / bf16 pair 1024 + c / 128 + c with one OR of the nibbles and bit 4 into the magic number's
 //    mantissa, minus 1040 / 144 in one packed subtraction (exact: small integers), so ~2.5 instructions a weight.
-//    B comes from the staged x with ldmatrix.trans (MT = 1: a 32-bit shared load by the lanes of token 0).
+//    B comes from the staged rows with ldmatrix (no .trans: an 8 x 8 matrix of 8 tokens x 8 consecutive k is
+//    b0, the next 8 k b1; .x4 covers 16 tokens); MT = 1: a 32-bit shared load by the lanes of token 0.
 // The warps' accumulators and 32 * fixup sums meet in shared memory; the CTA writes scale * sum in y's dtype.
 //
 // Decode: one warp per (tile, step) block: the codes go to a shared [16][256] int8 tile, the records of its half
@@ -27,6 +32,7 @@
 #include <stdint.h>
 
 #include "dtypes.cuh"
+#include "launch.cuh"
 
 namespace {
 
@@ -99,11 +105,11 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
-__device__ __forceinline__ void ldsm_x2_trans(uint32_t addr, uint32_t& r0, uint32_t& r1) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr));
+__device__ __forceinline__ void ldsm_x2(uint32_t addr, uint32_t& r0, uint32_t& r1) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr));
 }
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
 }
@@ -135,58 +141,68 @@ __device__ __forceinline__ void stage_records(const Layout& L, int64_t w0, int c
 
 // -- fused GEMV -----------------------------------------------------------------------------------
 
+constexpr int XSTRIDE = CHUNK_COLS + 8;  // elements per staged token row: 1040 bytes, 16 (mod 128)
+constexpr int REC_BYTES = REC_CAP + REC_CAP / 2 + 16;  // a warp's staged records
+constexpr int MAX_CTA_WARPS = 16;
+
 template <int MT>
 struct XStage {
-  static constexpr int XT = MT == 1 ? 1 : (MT <= 8 ? 8 : 16);  // tokens per staged column
-  static constexpr int ELEMS = CHUNK_COLS * XT;
-  static constexpr int WARP_BYTES = ELEMS * 2 + REC_CAP + REC_CAP / 2 + 16;  // x, then records
-  static constexpr int MAX_WARPS = MT > 8 ? 8 : 16;                        // shared memory
+  static constexpr int XT = MT == 1 ? 1 : (MT <= 8 ? 8 : 16);  // staged token rows
+  static constexpr int BYTES = XT * XSTRIDE * 2;                // one chunk run's x: a multiple of 16
+  static constexpr int MAX_WARPS = MT > 8 ? 8 : 16;             // default warps per tile (shared memory)
 };
 
-// x[m, c0 + j] for m < mc, j < 512 into xs[j * XT + m] (tokens >= mc stay zero, set once). 16-byte loads where
-// x allows (xvec: 16-byte aligned rows), else elementwise; columns >= K read as 0.
+// Shared memory of a CTA: wpt x slices, then tpc * wpt record buffers; the reduction reuses it from the start.
+template <int MT>
+__host__ __device__ constexpr int64_t linear_smem(int wpt, int tpc) {
+  return (int64_t)wpt * XStage<MT>::BYTES + (int64_t)wpt * tpc * REC_BYTES > (int64_t)wpt * tpc * TILE_ROWS * MT * 4
+             ? (int64_t)wpt * XStage<MT>::BYTES + (int64_t)wpt * tpc * REC_BYTES
+             : (int64_t)wpt * tpc * TILE_ROWS * MT * 4;
+}
+
+// The threads that stage one x slice: a warp (tpc = 1) or the tpc warps of one chunk run (named barrier 1 + run).
+__device__ __forceinline__ void run_sync(int run, int threads) {
+  if (threads == 32)
+    __syncwarp();
+  else
+    asm volatile("bar.sync %0, %1;" ::"r"(run + 1), "r"(threads) : "memory");
+}
+
+// x[m, c0 + j] for m < mc, j < 512 into xs[m * XSTRIDE + j] by threads gl = 0 .. gsize - 1 of the slice's
+// group: one 16-byte vector each, a warp's 32 vectors consecutive in x and in shared memory. 16-byte loads
+// where x allows (xvec: 16-byte aligned rows), else elementwise; columns >= K read as 0.
 template <int MT, typename T>
 __device__ __forceinline__ void stage_x(T* xs, const T* __restrict__ x, int64_t sxm, int mc, int K, int c0, bool xvec,
-                                        int lane) {
-  constexpr int XT = XStage<MT>::XT;
+                                        int gl, int gsize) {
+  constexpr int VPR = CHUNK_COLS / 8;  // vectors per token row
+  const int nv = (MT == 1 ? 1 : mc) * VPR;
+  for (int i = gl; i < nv; i += gsize) {
+    const int m = i / VPR, v = i - m * VPR;
+    const int k0 = c0 + 8 * v;
+    const T* row = x + (int64_t)m * sxm;
+    uint4 packed;
+    if (xvec && k0 + 8 <= K) {
+      packed = __ldg(reinterpret_cast<const uint4*>(row + k0));
+    } else {
+      T* p = reinterpret_cast<T*>(&packed);
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int j0 = half * 256 + lane * 8;  // 8 columns per lane
-    const int k0 = c0 + j0;
-    for (int m = 0; m < (MT == 1 ? 1 : mc); ++m) {
-      const T* row = x + (int64_t)m * sxm;
-      T v[8];
-      if (xvec && k0 + 8 <= K) {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row + k0));
-        const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = e[i];
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = k0 + i < K ? row[k0 + i] : from_f<T>(0.f);
-      }
-      if constexpr (XT == 1) {
-        uint4 packed;
-        T* p = reinterpret_cast<T*>(&packed);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) p[i] = v[i];
-        *reinterpret_cast<uint4*>(xs + j0) = packed;
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) xs[(j0 + i) * XT + m] = v[i];
-      }
+      for (int j = 0; j < 8; ++j) p[j] = k0 + j < K ? row[k0 + j] : from_f<T>(0.f);
     }
+    *reinterpret_cast<uint4*>(xs + m * XSTRIDE + 8 * v) = packed;
   }
 }
 
-// 16 k-steps of one 256-column block: A decoded from the plane, B from the staged x (xs: the block's columns).
+// 16 k-steps of one 256-column block: A decoded from the plane, B from the staged x (xs: the block's first
+// column of token row 0).
 template <int MT, typename T>
 __device__ __forceinline__ void block_mma(float (&acc)[MT > 8 ? 2 : 1][4], const uint4 (&nib)[4], const uint4& hib,
                                           const T* xs, int lane) {
-  constexpr int XT = XStage<MT>::XT;
   constexpr int NT = MT > 8 ? 2 : 1;
   const int g = lane >> 2, t = lane & 3;
-  const uint32_t xs_base = smem_addr(xs);
+  // ldmatrix row addresses: lanes 8 i .. 8 i + 7 give matrix i's rows, token (lane & 7) + 8 (i / 2) (.x4 only),
+  // columns 8 (i % 2) .. + 7 of the k-step.
+  const int tok = (lane & 7) + (NT == 2 ? (lane >> 4) * 8 : 0);
+  const uint32_t xs_base = smem_addr(xs) + (uint32_t)((tok * XSTRIDE + ((lane >> 3) & 1) * 8) * 2);
 #pragma unroll
   for (int G = 0; G < 4; ++G) {
     const uint32_t hw = word(hib, G);
@@ -211,15 +227,14 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT > 8 ? 2 : 1][4], const
         const uint32_t b0 = g == 0 ? xw[t] : 0u, b1 = g == 0 ? xw[t + 4] : 0u;
         mma<T>(acc[0], a, b0, b1);
       } else {
-        const int krow = 16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8;
-        const uint32_t addr = xs_base + (uint32_t)((krow * XT + (NT == 2 ? (lane >> 4) * 8 : 0)) * 2);
+        const uint32_t addr = xs_base + (uint32_t)(32 * ks);
         if constexpr (NT == 1) {
           uint32_t b0, b1;
-          ldsm_x2_trans(addr, b0, b1);
+          ldsm_x2(addr, b0, b1);
           mma<T>(acc[0], a, b0, b1);
         } else {
           uint32_t b0, b1, b2, b3;
-          ldsm_x4_trans(addr, b0, b1, b2, b3);
+          ldsm_x4(addr, b0, b1, b2, b3);
           mma<T>(acc[0], a, b0, b1);
           mma<T>(acc[NT - 1], a, b2, b3);
         }
@@ -228,25 +243,37 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT > 8 ? 2 : 1][4], const
   }
 }
 
-template <int MT, typename T>
-__global__ void __launch_bounds__(512) linear_kernel(Layout L, const T* __restrict__ x, int64_t sxm, bool xvec,
-                                                     T* __restrict__ y, int64_t sym, int64_t syn, int M, int cpw,
-                                                     const float* __restrict__ scale) {
-  constexpr int XT = XStage<MT>::XT;
+// Launch bounds: up to 512 threads a CTA (ptxas: no spills); LEAN (one token, CTAs of at most 8 warps, unless the
+// host asks otherwise): 256 threads and 3 CTAs an SM, so 80 registers (a few bytes spilled) and 24 resident warps an
+// SM keep more of the weight's loads in flight.
+template <int MT, bool LEAN>
+struct Bounds {
+  static constexpr int THREADS = LEAN ? 256 : 512;
+  static constexpr int MIN_CTAS = LEAN ? 3 : 1;
+};
+
+template <int MT, bool LEAN, typename T>
+__global__ void __launch_bounds__(Bounds<MT, LEAN>::THREADS, Bounds<MT, LEAN>::MIN_CTAS)
+    linear_kernel(Layout L, const T* __restrict__ x, int64_t sxm, bool xvec, T* __restrict__ y, int64_t sym,
+                  int64_t syn, int M, int cpw, int tpc, const float* __restrict__ scale) {
   constexpr int NT = MT > 8 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  unsigned char* mine = smem + warp * XStage<MT>::WARP_BYTES;
-  T* xs = reinterpret_cast<T*>(mine);
-  uint8_t* rpos = mine + XStage<MT>::ELEMS * 2;
+  const int wpt = nwarps / tpc;                  // warps per tile
+  const int tl = warp / wpt, run = warp - tl * wpt;  // the warp's tile in the CTA, its chunk run
+  const int gl = tl * 32 + lane, gsize = tpc * 32;   // the warp's lanes among the run's stagers
+  T* xs = reinterpret_cast<T*>(smem + run * XStage<MT>::BYTES);
+  uint8_t* rpos = smem + (int64_t)wpt * XStage<MT>::BYTES + warp * REC_BYTES;
   uint8_t* rh = rpos + REC_CAP;
 
-  const int tile = blockIdx.x;
+  const int64_t tiles = (L.n + TILE_ROWS - 1) / TILE_ROWS;
+  const int tile = blockIdx.x * tpc + tl;            // may pass the last tile in the last CTA: it reads that one
+  const int64_t tile_r = min((int64_t)tile, tiles - 1);  // and writes nothing
   const int m0 = blockIdx.y * 16;
   const int mc = min(M - m0, MT);
   x += (int64_t)m0 * sxm;
   const int chunks = L.steps / 2;
-  const int b_begin = 2 * warp * cpw, b_end = 2 * min(chunks, warp * cpw + cpw);  // the warp's blocks
+  const int b_begin = 2 * run * cpw, b_end = 2 * min(chunks, run * cpw + cpw);  // the run's blocks
   const int fr = lane & 15, fpar = lane >> 4;
 
   float acc[NT][4];
@@ -258,9 +285,10 @@ __global__ void __launch_bounds__(512) linear_kernel(Layout L, const T* __restri
 #pragma unroll
   for (int m = 0; m < MT; ++m) fx[m] = 0.f;
 
-  for (int i = lane; i < XStage<MT>::ELEMS / 2; i += 32) reinterpret_cast<uint32_t*>(xs)[i] = 0u;
+  // Zero the slice once (tokens past M are never staged); the first chunk's barrier orders it before staging.
+  for (int i = gl; i < XStage<MT>::BYTES / 16; i += gsize) reinterpret_cast<uint4*>(xs)[i] = make_uint4(0, 0, 0, 0);
 
-  const uint4* blocks = L.planes + (int64_t)tile * L.steps * BLOCK_VEC;
+  const uint4* blocks = L.planes + tile_r * L.steps * BLOCK_VEC;
   uint4 nib[4], hib;
   if (b_begin < b_end) {
     const uint4* b = blocks + (int64_t)b_begin * BLOCK_VEC;
@@ -270,13 +298,14 @@ __global__ void __launch_bounds__(512) linear_kernel(Layout L, const T* __restri
   }
   for (int B = b_begin; B < b_end; ++B) {
     if ((B & 1) == 0) {  // a new chunk: stage its x, apply its fixups
-      const int64_t grp = (int64_t)tile * chunks + (B >> 1);
+      const int64_t grp = tile_r * chunks + (B >> 1);
       const int64_t rec0 = __ldg(L.fx_base + grp);
       const int nrec = __ldg(L.fx_base + grp + 1) - (int)rec0;
       const int row_end = __ldg(L.fx_ends + grp * TILE_ROWS + fr);
       const int row_start = fr ? __ldg(L.fx_ends + grp * TILE_ROWS + fr - 1) : 0;
-      __syncwarp();  // the previous chunk's x and records are no longer read
-      stage_x<MT>(xs, x, sxm, mc, L.k, B * STEP_COLS, xvec, lane);
+      run_sync(run, gsize);  // the previous chunk's x and records are no longer read
+      stage_x<MT>(xs, x, sxm, mc, L.k, B * STEP_COLS, xvec, gl, gsize);
+      run_sync(run, gsize);  // x staged by every thread of the run before anyone reads it
       for (int w0 = 0; w0 < nrec; w0 += REC_CAP) {  // windows of REC_CAP records (one unless many)
         const int cnt = min(REC_CAP, nrec - w0);
         if (w0) __syncwarp();
@@ -290,21 +319,11 @@ __global__ void __launch_bounds__(512) linear_kernel(Layout L, const T* __restri
           const int i = e - w0;
           const uint32_t nb = (rh[(i + hbase) >> 1] >> (((i + hbase) & 1) * 4)) & 15u;
           const float h = (float)fixup_h(nb & 7u);
-          const int col = (int)rpos[i] | (int)(nb >> 3) << 8;
-          if constexpr (XT == 1) {
-            fx[0] = fmaf(h, to_f(xs[col]), fx[0]);
-          } else {
+          const T* xc = xs + ((int)rpos[i] | (int)(nb >> 3) << 8);
 #pragma unroll
-            for (int v = 0; v < MT; v += 8) {
-              const uint4 raw = *reinterpret_cast<const uint4*>(xs + col * XT + v);
-              const T* xv = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-              for (int j = 0; j < 8; ++j) fx[v + j] = fmaf(h, to_f(xv[j]), fx[v + j]);
-            }
-          }
+          for (int m = 0; m < MT; ++m) fx[m] = fmaf(h, to_f(xc[m * XSTRIDE]), fx[m]);
         }
       }
-      if (nrec == 0) __syncwarp();  // x staged by every lane before the tensor cores read it
     }
     // The next block, in flight while this one is computed.
     uint4 nib_next[4], hib_next;
@@ -314,7 +333,7 @@ __global__ void __launch_bounds__(512) linear_kernel(Layout L, const T* __restri
       for (int G = 0; G < 4; ++G) nib_next[G] = ld_stream(b + G * 32 + lane);
       hib_next = ld_stream(b + NIB_VEC + lane);
     }
-    block_mma<MT, T>(acc, nib, hib, xs + (B & 1) * STEP_COLS * XT, lane);
+    block_mma<MT, T>(acc, nib, hib, xs + (B & 1) * STEP_COLS, lane);
     if (B + 1 < b_end) {
 #pragma unroll
       for (int G = 0; G < 4; ++G) nib[G] = nib_next[G];
@@ -347,14 +366,15 @@ __global__ void __launch_bounds__(512) linear_kernel(Layout L, const T* __restri
   }
   __syncthreads();
   const float sc = __ldg(scale);
-  for (int i = threadIdx.x; i < TILE_ROWS * MT; i += blockDim.x) {
-    const int r = i / MT, m = i - r * MT;
-    const int row = tile * TILE_ROWS + r;
+  for (int i = threadIdx.x; i < tpc * TILE_ROWS * MT; i += blockDim.x) {
+    const int tt = i / (TILE_ROWS * MT), j = i - tt * (TILE_ROWS * MT);
+    const int r = j / MT, m = j - r * MT;
+    const int64_t row = (int64_t)(blockIdx.x * tpc + tt) * TILE_ROWS + r;
     if (row >= L.n || m >= mc) continue;
-    const float* base = reinterpret_cast<const float*>(smem) + i;
+    const float* base = reinterpret_cast<const float*>(smem) + (int64_t)tt * wpt * TILE_ROWS * MT + j;
     float v = 0.f;
-    for (int w = 0; w < nwarps; ++w) v += base[w * TILE_ROWS * MT];
-    y[(int64_t)(m0 + m) * sym + (int64_t)row * syn] = from_f<T>(v * sc);
+    for (int w = 0; w < wpt; ++w) v += base[w * TILE_ROWS * MT];
+    y[(int64_t)(m0 + m) * sym + row * syn] = from_f<T>(v * sc);
   }
 }
 
@@ -497,49 +517,76 @@ Layout make_layout(const torch::Tensor& planes, const torch::Tensor& fx_pos, con
   return L;
 }
 
-template <typename K>
-void set_smem(K kernel, int64_t bytes) {
-  if (bytes > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
-}
+using parity::set_smem;
 
-// Warps per CTA: enough CTAs x warps to fill the device (8 where the tiles alone give 4 CTAs per SM, else up to
-// 16, as shared memory allows), each warp a run of whole chunks, the runs as even as their number allows.
-void split_chunks(int64_t tiles, int chunks, int sms, int max_warps, int& warps, int& cpw) {
-  if (tiles >= 4 * sms) max_warps = std::min(max_warps, 8);
-  cpw = (chunks + max_warps - 1) / max_warps;
-  warps = (chunks + cpw - 1) / cpw;
+// A launch: wpt warps per tile, each a run of cpw whole chunks (the runs as even as their number allows), tpc
+// tiles per CTA.
+struct LinearConfig {
+  int wpt, cpw, tpc;
+};
+
+// warps (the most warps per tile) and tpc as asked, 0 = the default: enough CTAs x warps to fill the device (8
+// warps where the tiles alone give 4 CTAs per SM, else up to 16 as the launch bound and shared memory allow);
+// M > 1: two tiles a CTA share each chunk's staged x where the tiles give 2 CTAs per SM.
+template <int MT>
+LinearConfig linear_config(int64_t tiles, int chunks, int sms, int64_t warps, int64_t tpc, int64_t smem_max) {
+  constexpr int max_threads = Bounds<MT, false>::THREADS;
+  LinearConfig c;
+  if (tpc == 0) tpc = MT > 1 && tiles >= 2 * sms ? 2 : 1;
+  TORCH_CHECK(tpc >= 1 && tpc <= 4, "int8x planes cuda linear: tiles per CTA must be 1 .. 4, got ", tpc);
+  if (warps == 0) {
+    warps = std::min<int64_t>(XStage<MT>::MAX_WARPS, max_threads / 32 / tpc);
+    if (tiles >= 4 * sms) warps = std::min<int64_t>(warps, 8);
+  }
+  TORCH_CHECK(warps >= 1 && warps <= MAX_CTA_WARPS, "int8x planes cuda linear: warps per tile must be 1 .. ",
+              MAX_CTA_WARPS, ", got ", warps);
+  c.tpc = (int)tpc;
+  c.cpw = (int)((chunks + warps - 1) / warps);
+  c.wpt = (chunks + c.cpw - 1) / c.cpw;
+  TORCH_CHECK(c.wpt * c.tpc * 32 <= max_threads, "int8x planes cuda linear: ", c.wpt, " warps per tile x ", c.tpc,
+              " tiles per CTA = ", c.wpt * c.tpc * 32, " threads, more than the launch bound of ", max_threads);
+  TORCH_CHECK(c.tpc == 1 || c.wpt <= 15, "int8x planes cuda linear: with several tiles per CTA at most 15 warps "
+              "per tile (named barriers), got ", c.wpt);
+  const int64_t smem = linear_smem<MT>(c.wpt, c.tpc);
+  TORCH_CHECK(smem <= smem_max, "int8x planes cuda linear: ", c.wpt, " warps per tile x ", c.tpc,
+              " tiles per CTA need ", smem, " bytes of shared memory, the device allows ", smem_max);
+  return c;
 }
 
 template <int MT, typename T>
-void launch_linear(const Layout& L, const torch::Tensor& x, bool xvec, torch::Tensor& out, int M,
-                   const float* sp, cudaStream_t stream, int sms) {
+void launch_linear(const Layout& L, const torch::Tensor& x, bool xvec, torch::Tensor& out, int M, const float* sp,
+                   cudaStream_t stream, int sms, int64_t smem_max, int64_t warps, int64_t tpc, int64_t lean) {
   const int64_t tiles = (L.n + TILE_ROWS - 1) / TILE_ROWS;
-  int warps, cpw;
-  split_chunks(tiles, L.steps / 2, sms, XStage<MT>::MAX_WARPS, warps, cpw);
-  const int64_t smem = std::max<int64_t>((int64_t)warps * XStage<MT>::WARP_BYTES, (int64_t)warps * TILE_ROWS * MT * 4);
-  auto kernel = linear_kernel<MT, T>;
+  const LinearConfig c = linear_config<MT>(tiles, L.steps / 2, sms, warps, tpc, smem_max);
+  const int64_t smem = linear_smem<MT>(c.wpt, c.tpc);
+  auto kernel = linear_kernel<MT, false, T>;
+  const bool fits_lean = MT == 1 && c.wpt * c.tpc * 32 <= Bounds<MT, true>::THREADS;
+  TORCH_CHECK(lean != 1 || fits_lean, "int8x planes cuda linear: the lean variant is for M = 1 and CTAs of at most ",
+              Bounds<MT, true>::THREADS, " threads, got M = ", M, " and ", c.wpt * c.tpc * 32, " threads");
+  if constexpr (MT == 1)
+    if (fits_lean && lean != 0) kernel = linear_kernel<MT, true, T>;
   set_smem(kernel, smem);
-  const dim3 grid((unsigned)tiles, (unsigned)((M + 15) / 16));
-  kernel<<<grid, warps * 32, smem, stream>>>(L, reinterpret_cast<const T*>(x.data_ptr()), x.stride(0), xvec,
-                                             reinterpret_cast<T*>(out.data_ptr()), out.stride(0), out.stride(1), M,
-                                             cpw, sp);
+  const dim3 grid((unsigned)((tiles + c.tpc - 1) / c.tpc), (unsigned)((M + 15) / 16));
+  kernel<<<grid, c.wpt * c.tpc * 32, smem, stream>>>(L, reinterpret_cast<const T*>(x.data_ptr()), x.stride(0), xvec,
+                                                     reinterpret_cast<T*>(out.data_ptr()), out.stride(0),
+                                                     out.stride(1), M, c.cpw, c.tpc, sp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T>
 void linear_t(const Layout& L, const torch::Tensor& x, bool xvec, torch::Tensor& out, int M, const float* sp,
-              cudaStream_t stream, int sms) {
+              cudaStream_t stream, int sms, int64_t smem_max, int64_t warps, int64_t tpc, int64_t lean) {
   if (M == 1)
-    launch_linear<1, T>(L, x, xvec, out, M, sp, stream, sms);
+    launch_linear<1, T>(L, x, xvec, out, M, sp, stream, sms, smem_max, warps, tpc, lean);
   else if (M <= 8)
-    launch_linear<8, T>(L, x, xvec, out, M, sp, stream, sms);
+    launch_linear<8, T>(L, x, xvec, out, M, sp, stream, sms, smem_max, warps, tpc, lean);
   else
-    launch_linear<16, T>(L, x, xvec, out, M, sp, stream, sms);
+    launch_linear<16, T>(L, x, xvec, out, M, sp, stream, sms, smem_max, warps, tpc, lean);
 }
 
 void linear(torch::Tensor x, torch::Tensor planes, torch::Tensor fx_pos, torch::Tensor fx_h, torch::Tensor fx_base,
-            torch::Tensor fx_ends, torch::Tensor scale, int64_t n_rows, int64_t n_cols, torch::Tensor out) {
+            torch::Tensor fx_ends, torch::Tensor scale, int64_t n_rows, int64_t n_cols, torch::Tensor out,
+            int64_t warps, int64_t tiles_per_cta, int64_t lean) {
   const Layout L = make_layout(planes, fx_pos, fx_h, fx_base, fx_ends, scale, n_rows, n_cols);
   TORCH_CHECK(x.is_cuda() && x.device() == planes.device(), "int8x planes cuda linear: x must be on ",
               planes.device(), ", got ", x.device());
@@ -556,18 +603,22 @@ void linear(torch::Tensor x, torch::Tensor planes, torch::Tensor fx_pos, torch::
               "int8x planes cuda linear: out must be (", x.size(0), ", ", n_rows, "), got shape ", out.sizes());
   TORCH_CHECK(x.size(0) <= 65535 * 16, "int8x planes cuda linear: x has ", x.size(0), " rows, at most ",
               65535 * 16, " (decode the weight and use a matmul for so many)");
+  TORCH_CHECK(warps >= 0 && tiles_per_cta >= 0, "int8x planes cuda linear: warps and tiles_per_cta must be >= 0 "
+              "(0: the default), got ", warps, ", ", tiles_per_cta);
+  TORCH_CHECK(lean >= -1 && lean <= 1, "int8x planes cuda linear: lean must be -1 (where it fits), 0 or 1, got ", lean);
   const int M = (int)x.size(0);
   if (M == 0) return;
   const c10::cuda::CUDAGuard guard(planes.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
-  int sms = 0;
+  int sms = 0, smem_max = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, planes.get_device()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, planes.get_device()));
   const bool xvec = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && (x.stride(0) * 2) % 16 == 0;
   const float* sp = scale.data_ptr<float>();
   if (x.scalar_type() == torch::kFloat16)
-    linear_t<__half>(L, x, xvec, out, M, sp, stream, sms);
+    linear_t<__half>(L, x, xvec, out, M, sp, stream, sms, smem_max, warps, tiles_per_cta, lean);
   else
-    linear_t<__nv_bfloat16>(L, x, xvec, out, M, sp, stream, sms);
+    linear_t<__nv_bfloat16>(L, x, xvec, out, M, sp, stream, sms, smem_max, warps, tiles_per_cta, lean);
 }
 
 void decode(torch::Tensor planes, torch::Tensor fx_pos, torch::Tensor fx_h, torch::Tensor fx_base,
@@ -611,7 +662,8 @@ void decode(torch::Tensor planes, torch::Tensor fx_pos, torch::Tensor fx_h, torc
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "int8x planes fused decode-GEMV: out = x @ W^T", py::arg("x"), py::arg("planes"),
         py::arg("fx_pos"), py::arg("fx_h"), py::arg("fx_base"), py::arg("fx_ends"), py::arg("scale"),
-        py::arg("n_rows"), py::arg("n_cols"), py::arg("out"));
+        py::arg("n_rows"), py::arg("n_cols"), py::arg("out"), py::arg("warps") = 0, py::arg("tiles_per_cta") = 0,
+        py::arg("lean") = -1);
   m.def("decode", &decode, "int8x planes decode into out (n_rows, n_cols)", py::arg("planes"), py::arg("fx_pos"),
         py::arg("fx_h"), py::arg("fx_base"), py::arg("fx_ends"), py::arg("scale"), py::arg("n_rows"),
         py::arg("n_cols"), py::arg("out"));
