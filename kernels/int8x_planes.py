@@ -3,7 +3,7 @@
 Where weights beyond -8..7 are common (the seed mix: 44.5 % of them), the native layout's 32-bit outliers
 (kernels/int8x_native.py) make it larger than the stored streams, and the streams' GEMV costs ~17 instructions
 per weight (benchmarks/NOTES.md). This layout keeps every weight at a fixed place in 5 bits and corrects the
-few that do not fit 5 bits with short records, at about 5.53 bits a weight on the seed mix (the streams: 5.46
+few that do not fit 5 bits with short records, at about 5.49 bits a weight on the seed mix (the streams: 5.46
 plus their block tables: 5.52):
 
 * main plane: every weight as ``c = (q + 16) & 31``, i.e. ``v5 + 16`` where ``v5`` is the low 5 bits of q read

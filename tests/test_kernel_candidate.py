@@ -13,7 +13,7 @@ SMALL = Dims(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=256, vocab=
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt, layout", [("hf-bitnet", None), ("int8x", "streams"), ("int8x", "native"),
-                                         ("int8x", "planes")])
+                                         pytest.param("int8x", "planes", marks=pytest.mark.nightly)])
 def test_kernel_candidate_passes_every_level(pytester, tmp_path, monkeypatch, fmt, layout):
     if layout:
         monkeypatch.setenv("PARITY_INT8X_LAYOUT", layout)  # the fixture's weights are wide: auto keeps streams
