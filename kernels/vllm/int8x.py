@@ -105,7 +105,6 @@ class Int8xLinearMethod(LinearMethodBase):
         layer.parity_native_backend = choose.int8x_native_backend(None, device)
         layer.parity_planes_backend = choose.int8x_planes_backend(None, device)
         layer.parity_layout = [kind for kind, _ in layouts]
-        layer.parity_native = [kind == "native" for kind in layer.parity_layout]
         _release(layer, Int8xSpec.suffixes)
         # Buffers, so that moving the module moves the weights with it; the load-time dicts go.
         for i, (streams, (kind, packed)) in enumerate(zip(layer.parity_streams, layouts)):
