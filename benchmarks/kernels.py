@@ -543,7 +543,7 @@ def int8x_planes_rows(copy_gbps: float) -> list[dict]:
     return rows
 
 
-PLANES_SWEEP_WARPS = (2, 4, 8, 12, 16)
+PLANES_SWEEP_WARPS = (1, 2, 3, 4, 6, 8, 12, 16)
 PLANES_SWEEP_TILES = (1, 2, 3, 4)
 
 
@@ -552,8 +552,7 @@ def int8x_planes_sweep(copy_gbps: float) -> list[dict]:
     ``int8x_planes_cuda.resolve_config``) at both target shapes, both weight distributions and M in 1, 4, 16
     (bf16 x), each timed like the rows (CUDA graph, copies rotated over 256 MiB) beside the default and torch
     bf16 F.linear; configs that give the same launch are timed once, ones the device cannot hold are rows with
-    an error; at M = 1 the configs the lean kernel variant runs are timed on the wide one too (``lean`` False).
-    Prints the best per (shape, dist, M)."""
+    an error. Prints the best per (shape, dist, M)."""
     from vllm_parity.serving import int8x_planes_cuda
 
     if not int8x_planes_cuda.available():
@@ -577,17 +576,12 @@ def int8x_planes_sweep(copy_gbps: float) -> list[dict]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             base_us = graph_us(lambda: F.linear(x, next_wb()), len(copies))
             moved = base.nbytes + (k + n) * 2 * m
-            # M = 1: CTAs of at most 8 warps run the lean variant (80 registers, 3 CTAs an SM); also time them on
-            # the 512-thread one.
-            wide = [(*cfg, False) for cfg in configs[1:] if m == 1 and
-                    math.prod(int8x_planes_cuda.resolve_config(cfg, k)[::2]) <= 8]
-            for cfg in configs + wide:
-                launch = None if cfg is None else int8x_planes_cuda.resolve_config(cfg, k)
+            props = torch.cuda.get_device_properties(0)
+            for cfg in configs:
+                launch = (int8x_planes_cuda.default_config(m, n, k, props.multi_processor_count) if cfg is None
+                          else int8x_planes_cuda.resolve_config(cfg, k))
                 row = dict(info, M=m, config="default" if cfg is None else list(cfg),
-                           launch=None if launch is None else dict(
-                               warps_per_tile=launch[0], chunks_per_warp=launch[1], tiles_per_cta=launch[2],
-                               variant="lean" if m == 1 and len(cfg) == 2 and launch[0] * launch[2] <= 8
-                               else "wide"),
+                           launch=dict(warps_per_tile=launch[0], chunks_per_warp=launch[1], tiles_per_cta=launch[2]),
                            baseline_us=round(base_us, 3))
                 try:
                     us = graph_us(lambda cfg=cfg: int8x_planes_cuda.linear(x, next_layout(), config=cfg),

@@ -9,7 +9,7 @@ builds nothing but may touch cold memory):
 
     ncu --set full -k regex:linear_kernel --launch-skip 2 --launch-count 1 \
         python3 benchmarks/profile_one.py planes --m 1 [--k 4096 --n 14336 --dist seed-mix --config 8,1]
-        [--cache /tmp/planes.pt]
+        [--cache /tmp/planes.safetensors]
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import json
 import os
 import sys
 
+import safetensors
+import safetensors.torch
 import torch
 
 from vllm_parity.reference.formats.ternary import PRESETS, pack_values
@@ -40,15 +42,19 @@ def planes(argv: list[str]) -> int:
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--cache", default=None, help="a file for the packed layout: read if there, else written")
     args = ap.parse_args(argv)
-    if args.cache and os.path.exists(args.cache):
-        layout = int8x_planes.Int8xPlanes(**torch.load(args.cache))
+    if args.cache and os.path.exists(args.cache):  # safetensors: the layout's tensors, n and k in the metadata
+        with safetensors.safe_open(args.cache, "pt") as f:
+            meta = f.metadata()
+            layout = int8x_planes.Int8xPlanes(**{name: f.get_tensor(name) for name in int8x_planes.TENSORS},
+                                              n=int(meta["n"]), k=int(meta["k"]))
         if (layout.n, layout.k) != (args.n, args.k):
             raise SystemExit(f"{args.cache} holds a ({layout.n}, {layout.k}) weight, not ({args.n}, {args.k})")
     else:  # the seed mix takes tens of seconds on the host
         q = seed_mix(args.n, args.k, seed=3) if args.dist == "seed-mix" else gaussian(args.n, args.k, 2.5, seed=3)
         layout = int8x_planes.pack(q, torch.tensor([0.01]))
         if args.cache:
-            torch.save(layout._asdict(), args.cache)
+            safetensors.torch.save_file(dict(zip(int8x_planes.TENSORS, layout.tensors)), args.cache,
+                                        metadata={"n": str(layout.n), "k": str(layout.k)})
     layout = layout.to("cuda")
     config = tuple(int(v) for v in args.config.split(",")) if args.config else None
     x = torch.randn(args.m, args.k, device="cuda", dtype=torch.bfloat16)

@@ -8,6 +8,8 @@ current stream, so they can be captured in CUDA graphs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from vllm_parity.serving.cuda_build import LazyExtension, available  # noqa: F401  (available: re-exported)
@@ -15,15 +17,14 @@ from vllm_parity.serving.int8x_planes import Int8xPlanes, check
 
 __all__ = ["available", "extension", "decode", "linear", "resolve_config"]
 
-# Launch bound of the GEMV kernels (csrc/int8x_planes.cu, Bounds): threads a CTA. At M = 1 a CTA of at most 256
-# threads runs the variant bounded at 256 threads and 3 CTAs an SM (fewer registers, more resident warps).
+# Launch bound of the GEMV kernels (csrc/int8x_planes.cu, MAX_THREADS): threads a CTA.
 MAX_THREADS = 512
-LEAN_THREADS_M1 = 256
 MAX_TILES_PER_CTA = 4
 MAX_WARPS = 16
 # Shared memory of a CTA (csrc/int8x_planes.cu, linear_smem): each warp of a tile stages x for its chunk run
-# (XT token rows of XSTRIDE elements) and every warp its records; the reduction reuses the same bytes.
-XSTRIDE, REC_BYTES, TILE_ROWS = 512 + 8, 1024 + 512 + 16, 16
+# (XT token rows of XSTRIDE elements; one token: the chunk again in B-fragment order) and every warp its records
+# (16-byte vectors of positions and codes); the reduction reuses the same bytes.
+XSTRIDE, REC_BYTES, TILE_ROWS, CHUNK = 512 + 8, 65 * 16 + 33 * 16, 16, 512
 
 extension = LazyExtension("vllm_parity_int8x_planes", "int8x_planes.cu", "int8x planes CUDA kernels")
 
@@ -33,6 +34,13 @@ def _check_cuda(layout: Int8xPlanes, *tensors: torch.Tensor) -> None:
         if t.device.type != "cuda":
             raise ValueError(f"int8x planes cuda kernels need CUDA tensors, got {t.device}; use the torch backend")
     check(layout.tensors, layout.n, layout.k)
+    # The GEMV copies the records in 16-byte vectors (checked here: an error raised inside the extension ends the
+    # process on some CUDA images).
+    for name in ("fx_pos", "fx_h"):
+        t = getattr(layout, name)
+        if t.data_ptr() % 16:
+            raise ValueError(f"int8x planes cuda kernels: {name} must start on a 16-byte boundary, got address "
+                             f"{t.data_ptr():#x} (a view into a larger tensor?); pass .clone()")
 
 
 def decode(layout: Int8xPlanes, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,31 +58,26 @@ def decode(layout: Int8xPlanes, dtype: torch.dtype = torch.bfloat16, out: torch.
     return out
 
 
-def _parse(config) -> tuple[int, int, bool | None]:
+def _parse(config) -> tuple[int, int]:
     if isinstance(config, dict):
-        config = (config.get("warps"), config.get("tiles_per_cta", 1), config.get("lean"))
-    if (not isinstance(config, (tuple, list)) or len(config) not in (2, 3)
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in config[:2])
-            or not (len(config) == 2 or config[2] is None or isinstance(config[2], bool))):
-        raise ValueError(f"int8x planes cuda linear: config must be (warps, tiles_per_cta) or (warps, tiles_per_cta, "
-                         f"lean), two ints and a bool, got {config!r}")
-    return config[0], config[1], config[2] if len(config) == 3 else None
+        config = (config.get("warps"), config.get("tiles_per_cta", 1))
+    if (not isinstance(config, (tuple, list)) or len(config) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in config)):
+        raise ValueError(f"int8x planes cuda linear: config must be (warps, tiles_per_cta), two ints, got {config!r}")
+    return config[0], config[1]
 
 
 def resolve_config(config, k: int) -> tuple[int, int, int]:
     """The launch an explicit ``config = (warps, tiles_per_cta)`` gives for ``k`` columns:
     ``(warps_per_tile, chunks_per_warp, tiles_per_cta)``. ``warps`` is the most warps per tile: the tile's
     ceil(k / 512) chunks go to ceil(chunks / warps) chunks a warp, as few warps as that needs. ``ValueError``
-    for a config the kernels cannot launch (shared memory is checked at the launch, against the device).
-    A third element ``lean`` (M = 1 only) picks the kernel variant: True the one bounded at 256 threads and 3 CTAs
-    an SM (80 registers; CTAs of at most 8 warps), False the one bounded at 512 threads (no spills), None (or
-    absent) the lean one where the CTA fits it."""
-    warps, tpc, _ = _parse(config)
+    for a config the kernels cannot launch (shared memory is checked at the launch, against the device)."""
+    warps, tpc = _parse(config)
     if not 1 <= warps <= MAX_WARPS:
         raise ValueError(f"int8x planes cuda linear: config warps must be 1 .. {MAX_WARPS}, got {warps}")
     if not 1 <= tpc <= MAX_TILES_PER_CTA:
         raise ValueError(f"int8x planes cuda linear: config tiles_per_cta must be 1 .. {MAX_TILES_PER_CTA}, got {tpc}")
-    chunks = -(-k // 512)
+    chunks = -(-k // CHUNK)
     cpw = -(-chunks // warps)
     wpt = -(-chunks // cpw)
     if wpt * tpc * 32 > MAX_THREADS:
@@ -83,10 +86,35 @@ def resolve_config(config, k: int) -> tuple[int, int, int]:
     return wpt, cpw, tpc
 
 
+@functools.lru_cache(maxsize=None)
+def _device(device: torch.device) -> tuple[int, int]:
+    """SMs and the shared memory a CTA may take, of a CUDA device."""
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", 227 * 1024)
+
+
+@functools.lru_cache(maxsize=4096)
+def default_config(m: int, n: int, k: int, sms: int, smem_max: int = 227 * 1024) -> tuple[int, int, int]:
+    """The launch :func:`linear` takes when no config is given, as
+    ``(warps_per_tile, chunks_per_warp, tiles_per_cta)``: runs of 4 chunks a warp (2 at M = 1 and at most 8
+    chunks) so each warp has its next block and its records in flight while it computes; M = 1: one tile a CTA;
+    more: 4 or 2 tiles a CTA share each chunk's staged x where 16 warps, half a CTA an SM and shared memory allow."""
+    chunks, tiles = -(-k // CHUNK), -(-n // TILE_ROWS)
+    run = 2 if m == 1 and chunks <= 8 else 4
+    warps = min(-(-chunks // run), 8 if m > 8 else MAX_WARPS)
+    cpw = -(-chunks // warps)
+    wpt = -(-chunks // cpw)
+    tpc = 1
+    if m > 1:
+        tpc = next((t for t in (4, 2) if wpt * t <= MAX_WARPS and tiles * 2 >= t * sms
+                    and smem_bytes(m, wpt, t) <= smem_max), 1)
+    return wpt, cpw, tpc
+
+
 def smem_bytes(m: int, wpt: int, tpc: int) -> int:
     """The shared memory a CTA of ``wpt`` warps per tile and ``tpc`` tiles takes for ``m`` rows of x."""
     mt = 1 if m == 1 else 8 if m <= 8 else 16
-    staged = wpt * mt * XSTRIDE * 2 + wpt * tpc * REC_BYTES
+    staged = wpt * (mt * XSTRIDE * 2 + (CHUNK * 2 if mt == 1 else 0)) + wpt * tpc * REC_BYTES
     return max(staged, wpt * tpc * TILE_ROWS * mt * 4)
 
 
@@ -96,19 +124,12 @@ def linear(x: torch.Tensor, layout: Int8xPlanes, out: torch.Tensor | None = None
 
     One pass over the weight per 16 rows of x (grid.y slices larger M), fp32 accumulation. ``x`` may have any
     row stride; a column stride other than 1 costs a contiguous copy. ``config``: None (the kernel's choice by
-    shape) or ``(warps, tiles_per_cta[, lean])`` (or a dict with those keys), see :func:`resolve_config`; tiles
-    of one CTA share each chunk's staged x."""
-    launch = (0, 0, -1)  # the kernel's choice
+    shape, :func:`default_config`) or ``(warps, tiles_per_cta)`` (or a dict with those keys), see
+    :func:`resolve_config`; tiles of one CTA share each chunk's staged x."""
     if config is not None:
         wpt, _, tpc = resolve_config(config, layout.k)
-        lean = _parse(config)[2]
-        if lean and (x.dim() != 2 or x.shape[0] != 1 or wpt * tpc * 32 > LEAN_THREADS_M1):
-            raise ValueError(f"int8x planes cuda linear: config {config!r}: the lean variant is for M = 1 and CTAs of "
-                             f"at most {LEAN_THREADS_M1} threads, got x {tuple(x.shape)} and {wpt * tpc * 32} threads")
-        launch = (wpt, tpc, -1 if lean is None else int(lean))
         # Checked here, not in the extension: an error raised inside it ends the process on some CUDA images.
-        props = torch.cuda.get_device_properties(x.device)
-        allowed = getattr(props, "shared_memory_per_block_optin", 227 * 1024)
+        allowed = _device(x.device)[1]
         need = smem_bytes(x.shape[0] if x.dim() == 2 else 2, wpt, tpc)
         if need > allowed:
             raise ValueError(f"int8x planes cuda linear: config {config!r} needs {need} bytes of shared memory for "
@@ -127,5 +148,7 @@ def linear(x: torch.Tensor, layout: Int8xPlanes, out: torch.Tensor | None = None
         return out
     if x.stride(1) != 1 and layout.k > 1:
         x = x.contiguous()
-    extension().linear(x, *layout.tensors, layout.n, layout.k, out, *launch)
+    if config is None:
+        wpt, _, tpc = default_config(x.shape[0], layout.n, layout.k, *_device(x.device))
+    extension().linear(x, *layout.tensors, layout.n, layout.k, out, wpt, tpc)
     return out

@@ -284,7 +284,7 @@ def _double_one_channel_scale(module: str, channel: int):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.nightly)])  # qwen2: CI time
 def test_fp8_dynamic_passes_and_a_doubled_scale_is_localized(tmp_path, arch):
     pytest.importorskip("vllm", reason="the candidate is the vLLM engine")
     model = make_ct_fixture("ct-fp8-dynamic", tmp_path / "fp8", dims=SMALL, arch=arch)
@@ -294,7 +294,8 @@ def test_fp8_dynamic_passes_and_a_doubled_scale_is_localized(tmp_path, arch):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype, arch", [("bfloat16", "llama"), ("float16", "llama"),
+@pytest.mark.parametrize("dtype, arch", [("bfloat16", "llama"),  # float16: nightly (the CI time budget)
+                                         pytest.param("float16", "llama", marks=pytest.mark.nightly),
                                          pytest.param("float16", "qwen2", marks=pytest.mark.nightly)])
 def test_fp8_dynamic_served_in_half_precision_passes(tmp_path, dtype, arch):
     """The engine quantizes activations it holds in ``dtype``: the reference quantizes them rounded to it too, so

@@ -170,21 +170,31 @@ def test_cuda_config_validation():
     assert kc.resolve_config((3, 2), 4096) == (3, 3, 2)      # 3 chunks a warp -> 3 warps
     assert kc.resolve_config((16, 1), 14336) == (14, 2, 1)   # 28 chunks
     assert kc.resolve_config({"warps": 4, "tiles_per_cta": 4}, 600) == (2, 1, 4)
-    assert kc.resolve_config((8, 1, False), 4096) == kc.resolve_config((8, 1, True), 4096) == (8, 1, 1)
+    # the launch taken without a config (H200: 132 SMs): runs of 2 chunks a warp at M = 1 and 8 chunks, else 4;
+    # at M > 1 tiles a CTA as 16 warps and half a CTA an SM allow
+    assert kc.default_config(1, 14336, 4096, 132) == (4, 2, 1)
+    assert kc.default_config(1, 4096, 14336, 132) == (7, 4, 1)
+    assert kc.default_config(4, 14336, 4096, 132) == (2, 4, 4)
+    assert kc.default_config(16, 14336, 4096, 132) == (2, 4, 4)
+    assert kc.default_config(16, 4096, 14336, 132) == (7, 4, 2)    # 128 CTAs
+    assert kc.default_config(16, 4096, 65536, 132) == (8, 16, 2)   # 8 warps at most for 16 tokens (shared memory)
+    assert kc.default_config(5, 100, 600, 132) == (1, 2, 1)        # 7 tiles: one a CTA
+    assert kc.default_config(16, 14336, 4096, 132, smem_max=40 * 1024) == (2, 4, 2)
     for bad, match in [((0, 1), "warps must be 1 .. 16"), ((17, 1), "warps must be 1 .. 16"),
                        ((4, 0), "tiles_per_cta must be 1 .. 4"), ((4, 5), "tiles_per_cta must be 1 .. 4"),
                        ((4,), "two ints"), ((4.0, 1), "two ints"), ("8x1", "two ints"),
-                       ((4, 1, 1), "and a bool"), ((4, 1, True, 2), "two ints")]:
+                       ((4, 1, True), "two ints"), ((True, 1), "two ints")]:
         with pytest.raises(ValueError, match=match):
             kc.resolve_config(bad, 4096)
     with pytest.raises(ValueError, match="1024 threads for K=4096, more than the kernel's 512"):
         kc.resolve_config((8, 4), 4096)
     # shared memory, as the kernel lays it out: x staged per warp of a tile (1, 8 or 16 token rows of 520
-    # elements), 1552 bytes of records per warp, or the reduction's 16 rows x tokens x 4 bytes per warp if larger
-    assert kc.smem_bytes(1, 8, 1) == 8 * 1040 + 8 * 1552
-    assert kc.smem_bytes(5, 4, 2) == 4 * 8 * 1040 + 8 * 1552
-    assert kc.smem_bytes(16, 16, 1) == 16 * 16 * 1040 + 16 * 1552 > 227 * 1024  # the device cannot hold it
-    assert kc.smem_bytes(16, 1, 4) == max(16 * 1040 + 4 * 1552, 4 * 16 * 16 * 4)
+    # elements; one token: the chunk again in B-fragment order, 1024 bytes), 1568 bytes of records per warp, or
+    # the reduction's 16 rows x tokens x 4 bytes per warp if larger
+    assert kc.smem_bytes(1, 8, 1) == 8 * (1040 + 1024) + 8 * 1568
+    assert kc.smem_bytes(5, 4, 2) == 4 * 8 * 1040 + 8 * 1568
+    assert kc.smem_bytes(16, 16, 1) == 16 * 16 * 1040 + 16 * 1568 > 227 * 1024  # the device cannot hold it
+    assert kc.smem_bytes(16, 1, 4) == max(16 * 1040 + 4 * 1568, 4 * 16 * 16 * 4)
 
 
 # -- GPU ------------------------------------------------------------------------------------------
@@ -245,14 +255,31 @@ def test_gpu_linear_every_m(dtype):
                                  f"stride {x.stride()}")
 
 
-GPU_CONFIGS = [(1, 1), (2, 1), (3, 1), (8, 1), (16, 1), (1, 2), (2, 2), (3, 3), (4, 4), (8, 2), (4, 2), (8, 1, False),
-               (2, 2, False)]
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_linear_every_weight_a_fixup(dtype):
+    """Every weight beyond -16..15: 8192 records a chunk, eight windows of staged records per warp."""
+    kc = _cuda_ready()
+    g = torch.Generator().manual_seed(16)
+    mag = torch.randint(16, 128, (48, 1536), generator=g)
+    q = torch.where(torch.rand(48, 1536, generator=g) < 0.5, -mag, mag.clamp(max=127)).to(torch.int8)
+    lay = _layout(q, device="cuda")
+    assert lay.fixups == (q.to(torch.int32) != -16).sum().item()
+    for m in (1, 5, 16):
+        x = torch.randn(m, 1536, generator=g).to("cuda", dtype)
+        for config in (None, (1, 1), (3, 2)):
+            with poisoned_allocations():
+                y = kc.linear(x, lay, config=config)
+            assert_rel_close(y, _ref(x, q), LINEAR_BOUND[dtype], f"M={m} {dtype} config {config}")
+
+
+GPU_CONFIGS = [(1, 1), (2, 1), (3, 1), (8, 1), (16, 1), (1, 2), (2, 2), (3, 3), (4, 4), (8, 2), (4, 2)]
 
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("config", GPU_CONFIGS, ids=["w{}t{}".format(*c) + ("wide" if len(c) > 2 else "")
-                                                     for c in GPU_CONFIGS])
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=["w{}t{}".format(*c) for c in GPU_CONFIGS])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_linear_configs(config, dtype):
     """Explicit (warps, tiles_per_cta) against the reference for M in 1, 5, 8, 9, 16, 23, 40: 7 tiles (a partial
@@ -267,14 +294,6 @@ def test_gpu_linear_configs(config, dtype):
         with poisoned_allocations():
             y = kc.linear(x, lay, config=config)
         assert_rel_close(y, _ref(x, q), LINEAR_BOUND[dtype], f"config {config} M={m} {dtype}")
-    x = torch.randn(1, k, generator=g).to("cuda", dtype)  # the lean variant asked for explicitly
-    if kc.resolve_config(config, k)[0] * kc.resolve_config(config, k)[2] <= 8:
-        with poisoned_allocations():
-            y = kc.linear(x, lay, config=(*config[:2], True))
-        assert_rel_close(y, _ref(x, q), LINEAR_BOUND[dtype], f"config {config} lean {dtype}")
-    else:
-        with pytest.raises(ValueError, match="the lean variant is for M = 1 and CTAs of at most 256 threads"):
-            kc.linear(x, lay, config=(*config[:2], True))
 
 
 @pytest.mark.gpu
@@ -287,6 +306,22 @@ def test_gpu_linear_config_too_much_shared_memory():
     with pytest.raises(ValueError, match="bytes of shared memory"):  # raised before the launch, in Python
         kc.linear(x, lay, config=(16, 1))  # 16 warps x 16 staged tokens
     assert_rel_close(kc.linear(x, lay, config=(8, 1)), _ref(x, q), LINEAR_BOUND[torch.bfloat16], "8 warps")
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_records_not_on_a_16_byte_boundary_are_refused():
+    kc = _cuda_ready()
+    q = seed_mix(32, 1024, seed=15)
+    lay = _layout(q, device="cuda")
+    assert lay.fixups > 0
+    shifted = torch.empty(lay.fx_pos.numel() + 1, dtype=torch.uint8, device="cuda")[1:]
+    shifted.copy_(lay.fx_pos)
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fx_pos must start on a 16-byte boundary"):
+        kc.linear(x, lay._replace(fx_pos=shifted))
+    assert_rel_close(kc.linear(x, lay._replace(fx_pos=shifted.clone())), _ref(x, q), LINEAR_BOUND[torch.bfloat16],
+                     "cloned")
 
 
 @pytest.mark.gpu

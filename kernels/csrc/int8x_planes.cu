@@ -4,19 +4,22 @@
 // GEMV, y = x @ W^T for up to 16 rows of x per CTA row (grid.y slices larger M): a CTA owns `tpc` tiles of 16
 // weight rows (1 unless the host asks for more), each tile `wpt` warps that split its 512-column chunks in equal
 // runs; warp w of every tile walks the same chunks. Per chunk
+//  * each warp puts its tile's fixup records for the chunk in flight to shared memory (cp.async, 16-byte vectors;
+//    their table entries were read while the previous chunk was computed) and reads the next chunk's entries,
 //  * the warps that walk it (one per tile) stage x[m0 .. m0 + M) over the chunk's columns once, in shared memory
 //    as [token][column] rows of XSTRIDE elements (the padding puts the rows of 8 tokens in distinct banks), with
-//    coalesced 16-byte loads and stores; tokens past M stay zero, columns past K are zero. With one tile per CTA
-//    the warp stages alone (__syncwarp), else the tiles' warps meet at a named barrier (one per chunk run),
-//  * each warp applies its tile's fixup records for the chunk: they are copied to shared memory with coalesced
-//    loads, then lane l walks the records of row l % 16 with parity l / 16, adding h * x[token][column] per
-//    token to fp32 registers,
+//    coalesced 16-byte loads and stores; tokens past M stay zero, columns past K are zero. One token (M = 1): the
+//    chunk again in B-fragment order, so that a lane reads 4 k-steps of B in two 16-byte loads, the token in every
+//    column of B (no lane-dependent branch). With one tile per CTA the warp stages alone (__syncwarp), else the
+//    tiles' warps meet at a named barrier (one per chunk run),
 //  * per 256-column block (the next one's five 16-byte loads per lane in flight meanwhile) runs 16
 //    mma.m16n8k16 (two per k-step for M > 8) with A decoded from the plane: a pair of codes c becomes
 //    the fp16 / bf16 pair 1024 + c / 128 + c with one OR of the nibbles and bit 4 into the magic number's
 //    mantissa, minus 1040 / 144 in one packed subtraction (exact: small integers), so ~2.5 instructions a weight.
 //    B comes from the staged rows with ldmatrix (no .trans: an 8 x 8 matrix of 8 tokens x 8 consecutive k is
-//    b0, the next 8 k b1; .x4 covers 16 tokens); MT = 1: a 32-bit shared load by the lanes of token 0.
+//    b0, the next 8 k b1; .x4 covers 16 tokens),
+//  * then the records, landed by now: lane l walks those of row l % 16 with parity l / 16, adding
+//    h * x[token][column] per token to fp32 registers.
 // The warps' accumulators and 32 * fixup sums meet in shared memory; the CTA writes scale * sum in y's dtype.
 //
 // Decode: one warp per (tile, step) block: the codes go to a shared [16][256] int8 tile, the records of its half
@@ -53,39 +56,56 @@ struct Layout {
   const uint8_t* fx_h;
   const int32_t* fx_base;
   const int16_t* fx_ends;
+  int64_t n_rec;  // records: fx_pos bytes (fx_h holds (n_rec + 1) / 2)
   int n, k;
   int steps;  // K / 256 after padding to 512: even
 };
 
-// Magic numbers: a code c in the low 5 bits of each half gives 1024 + c (fp16) or 128 + c (bf16).
-template <typename T> struct Magic;
-template <> struct Magic<__half> { static constexpr uint32_t OR = 0x64006400u; };
-template <> struct Magic<__nv_bfloat16> { static constexpr uint32_t OR = 0x43004300u; };
+// A code c (5 bits) in each 16-bit half becomes 32 + c = v5 + 48 exactly: the magic number 32.0 with c in the
+// five mantissa bits of weight 1 (fp16: bits 5..9, ulp 1/32 at 32; bf16: bits 2..6, ulp 1/4 at 32).
+template <typename T> struct Code;
+template <> struct Code<__half> { static constexpr uint32_t MAGIC = 0x50005000u; static constexpr int LOW = 5; };
+template <> struct Code<__nv_bfloat16> { static constexpr uint32_t MAGIC = 0x42004200u; static constexpr int LOW = 2; };
 
-// (1024 + c) - 1040 = c - 16 = v5, exact.
+template <int SH>
+__device__ __forceinline__ uint32_t shift(uint32_t v) {
+  if constexpr (SH > 0)
+    return v << SH;
+  else if constexpr (SH < 0)
+    return v >> -SH;
+  else
+    return v;
+}
+
+// (a & MASK) | c in one instruction (LUT 0xEA).
+template <uint32_t MASK>
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "n"(MASK), "r"(c));
+  return r;
+}
+
+// v5 + 48 - 48 = v5, exact (bf16: fma with 1, the packed bf16 subtraction of sm_80).
 __device__ __forceinline__ uint32_t unbias(uint32_t v, __half) {
   uint32_t r;
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x64106410u));
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x52005200u));
   return r;
 }
-// (128 + c) * 1 - 144 = v5, exact (fma: the packed bf16 subtraction of sm_80).
 __device__ __forceinline__ uint32_t unbias(uint32_t v, __nv_bfloat16) {
   uint32_t r;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3F803F80u), "r"(0xC310C310u));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3F803F80u), "r"(0xC240C240u));
   return r;
 }
 
-// A fragment pair p of k-step s (of its group): nibbles at bits 4p (+16) of nw, bit 4 at bits 4s+p (+16) of hw.
-template <typename T, int S, int P>
-__device__ __forceinline__ uint32_t pair(uint32_t nw, uint32_t hw) {
-  constexpr int J = 4 * S + P;
-  const uint32_t lo = (nw >> (4 * P)) & 0x000F000Fu;
-  uint32_t hb;
-  if constexpr (J >= 4)
-    hb = (hw >> (J - 4)) & 0x00100010u;
-  else
-    hb = (hw << (4 - J)) & 0x00100010u;
-  return unbias(lo | hb | Magic<T>::OR, T());
+// A fragment pair p of k-step s (of its group): nibbles at bits 4p (+16) of nw, bit 4 at bits 4s+p (+16) of hw;
+// as v5 + 48 (BIASED: the caller subtracts 48 * sum(x)) or as v5. magic: Code<T>::MAGIC in a register.
+template <typename T, int S, int P, bool BIASED>
+__device__ __forceinline__ uint32_t pair(uint32_t nw, uint32_t hw, uint32_t magic) {
+  constexpr int LOW = Code<T>::LOW, J = 4 * S + P;
+  constexpr uint32_t NIB = 0xFu << LOW, HB = 0x10u << LOW;
+  const uint32_t v = and_or<NIB | NIB << 16>(shift<LOW - 4 * P>(nw),
+                                              and_or<HB | HB << 16>(shift<LOW + 4 - J>(hw), magic));
+  return BIASED ? v : unbias(v, T());
 }
 
 template <typename T>
@@ -142,14 +162,19 @@ __device__ __forceinline__ void stage_records(const Layout& L, int64_t w0, int c
 // -- fused GEMV -----------------------------------------------------------------------------------
 
 constexpr int XSTRIDE = CHUNK_COLS + 8;  // elements per staged token row: 1040 bytes, 16 (mod 128)
-constexpr int REC_BYTES = REC_CAP + REC_CAP / 2 + 16;  // a warp's staged records
+// A warp's records, staged with 16-byte copies from the 16-byte boundary below the window's first byte: positions
+// (REC_CAP + 15 bytes at most, 65 vectors), then codes (REC_CAP / 2 + 16 bytes at most, 33 vectors).
+constexpr int REC_POS_BYTES = 65 * 16;
+constexpr int REC_BYTES = REC_POS_BYTES + 33 * 16;
 constexpr int MAX_CTA_WARPS = 16;
 
 template <int MT>
 struct XStage {
   static constexpr int XT = MT == 1 ? 1 : (MT <= 8 ? 8 : 16);  // staged token rows
-  static constexpr int BYTES = XT * XSTRIDE * 2;                // one chunk run's x: a multiple of 16
-  static constexpr int MAX_WARPS = MT > 8 ? 8 : 16;             // default warps per tile (shared memory)
+  // One token: the row, then the chunk again in B-fragment order (xperm), so a lane reads 4 k-steps of B with
+  // two 16-byte loads.
+  static constexpr int BYTES = XT * XSTRIDE * 2 + (MT == 1 ? CHUNK_COLS * 2 : 0);  // a multiple of 16
+  static constexpr int MAX_WARPS = MT > 8 ? 8 : 16;  // the most warps per tile by default (shared memory)
 };
 
 // Shared memory of a CTA: wpt x slices, then tpc * wpt record buffers; the reduction reuses it from the start.
@@ -168,37 +193,105 @@ __device__ __forceinline__ void run_sync(int run, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(run + 1), "r"(threads) : "memory");
 }
 
+// 16 bytes global -> shared without registers; the bytes past src_bytes (0 .. 16) are zero and not read.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// Records [r0, r0 + cnt) in flight to the warp's buffer (the kernel waits for them before reading): the
+// 16-byte vectors of fx_pos and fx_h that hold them (the host checks both tensors are 16-byte aligned).
+// Returns where record r0's position and code byte land: pos at rbuf[o.x + i], code byte at
+// rbuf[REC_POS_BYTES + o.y + ((i + (r0 & 1)) >> 1)].
+__device__ __forceinline__ int2 stage_records_async(const Layout& L, int64_t r0, int cnt, uint8_t* rbuf, int lane) {
+  const uintptr_t p0 = reinterpret_cast<uintptr_t>(L.fx_pos + r0), pa = p0 & ~(uintptr_t)15;
+  const uintptr_t pend = reinterpret_cast<uintptr_t>(L.fx_pos + L.n_rec);
+  const int npv = (int)((p0 + cnt - pa + 15) >> 4);
+  for (int i = lane; i < npv; i += 32) {
+    const uintptr_t src = pa + 16 * (uintptr_t)i;
+    cp_async16(rbuf + 16 * i, reinterpret_cast<const void*>(src), (int)min((uintptr_t)16, pend - src));
+  }
+  const uintptr_t h0 = reinterpret_cast<uintptr_t>(L.fx_h + (r0 >> 1)), ha = h0 & ~(uintptr_t)15;
+  const uintptr_t hend = reinterpret_cast<uintptr_t>(L.fx_h + ((L.n_rec + 1) >> 1));
+  const int nhv = (int)((reinterpret_cast<uintptr_t>(L.fx_h + ((r0 + cnt + 1) >> 1)) - ha + 15) >> 4);
+  for (int i = lane; i < nhv; i += 32) {
+    const uintptr_t src = ha + 16 * (uintptr_t)i;
+    cp_async16(rbuf + REC_POS_BYTES + 16 * i, reinterpret_cast<const void*>(src), (int)min((uintptr_t)16, hend - src));
+  }
+  cp_async_commit();
+  return make_int2((int)(p0 - pa), (int)(h0 - ha));
+}
+
+// Where token 0's column j (of a 512-column chunk) sits in the B-fragment copy: block j / 256, group G = k-step
+// / 4, lane column t = (j % 8) / 2; per (G, t) 8 words: (b0, b1) of k-steps 4 G .. 4 G + 3.
+__device__ __forceinline__ int xperm_word(int j) {
+  const int cc = j & 255, ks = cc >> 4;
+  return (j >> 8) * 128 + (((ks >> 2) * 4 + ((cc & 7) >> 1)) * 8 + 2 * (ks & 3) + ((cc >> 3) & 1));
+}
+
 // x[m, c0 + j] for m < mc, j < 512 into xs[m * XSTRIDE + j] by threads gl = 0 .. gsize - 1 of the slice's
-// group: one 16-byte vector each, a warp's 32 vectors consecutive in x and in shared memory. 16-byte loads
-// where x allows (xvec: 16-byte aligned rows), else elementwise; columns >= K read as 0.
+// group: one 16-byte vector each, a warp's 32 vectors consecutive in x and in shared memory (MT = 1: and the
+// vector's four words into the B-fragment copy). 16-byte loads where x allows (xvec: 16-byte aligned rows), else
+// elementwise; columns >= K read as 0.
+template <typename T>
+__device__ __forceinline__ uint4 load_x8(const T* row, int K, int k0, bool xvec) {
+  uint4 packed;
+  if (xvec && k0 + 8 <= K) {
+    packed = __ldg(reinterpret_cast<const uint4*>(row + k0));
+  } else {
+    T* p = reinterpret_cast<T*>(&packed);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) p[j] = k0 + j < K ? row[k0 + j] : from_f<T>(0.f);
+  }
+  return packed;
+}
+
+// The sum of the 8 values of a vector, in fp32.
+template <typename T>
+__device__ __forceinline__ float sum8(const uint4& v) {
+  const T* p = reinterpret_cast<const T*>(&v);
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) s += to_f(p[j]);
+  return s;
+}
+
 template <int MT, typename T>
 __device__ __forceinline__ void stage_x(T* xs, const T* __restrict__ x, int64_t sxm, int mc, int K, int c0, bool xvec,
-                                        int gl, int gsize) {
+                                        int gl, int gsize, float& xsum) {
   constexpr int VPR = CHUNK_COLS / 8;  // vectors per token row
-  const int nv = (MT == 1 ? 1 : mc) * VPR;
-  for (int i = gl; i < nv; i += gsize) {
-    const int m = i / VPR, v = i - m * VPR;
-    const int k0 = c0 + 8 * v;
-    const T* row = x + (int64_t)m * sxm;
-    uint4 packed;
-    if (xvec && k0 + 8 <= K) {
-      packed = __ldg(reinterpret_cast<const uint4*>(row + k0));
-    } else {
-      T* p = reinterpret_cast<T*>(&packed);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) p[j] = k0 + j < K ? row[k0 + j] : from_f<T>(0.f);
+  if constexpr (MT == 1) {  // and the sum of what the thread staged, for the bias of A (block_mma)
+    uint32_t* xp = reinterpret_cast<uint32_t*>(xs + XSTRIDE);
+    for (int v = gl; v < VPR; v += gsize) {
+      const uint4 packed = load_x8(x, K, c0 + 8 * v, xvec);
+      xsum += sum8<T>(packed);
+      *reinterpret_cast<uint4*>(xs + 8 * v) = packed;
+      const int w = xperm_word(8 * v);  // the vector's words go to lane columns t = 0 .. 3: 8 words apart
+      xp[w] = packed.x;
+      xp[w + 8] = packed.y;
+      xp[w + 16] = packed.z;
+      xp[w + 24] = packed.w;
     }
-    *reinterpret_cast<uint4*>(xs + m * XSTRIDE + 8 * v) = packed;
+  } else {
+    const int nv = mc * VPR;
+    for (int i = gl; i < nv; i += gsize) {
+      const int m = i / VPR, v = i - m * VPR;
+      *reinterpret_cast<uint4*>(xs + m * XSTRIDE + 8 * v) = load_x8(x + (int64_t)m * sxm, K, c0 + 8 * v, xvec);
+    }
   }
 }
 
 // 16 k-steps of one 256-column block: A decoded from the plane, B from the staged x (xs: the block's first
-// column of token row 0).
+// column of token row 0; MT = 1: xb, the block's B-fragment copy).
 template <int MT, typename T>
 __device__ __forceinline__ void block_mma(float (&acc)[MT > 8 ? 2 : 1][4], const uint4 (&nib)[4], const uint4& hib,
-                                          const T* xs, int lane) {
+                                          const T* xs, const uint32_t* xb, int lane) {
   constexpr int NT = MT > 8 ? 2 : 1;
-  const int g = lane >> 2, t = lane & 3;
+  constexpr bool B1 = MT == 1;  // one token: A biased by 48, 48 * sum(x) subtracted once at the end
+  uint32_t mg;  // the magic number in a register, so that one instruction ORs it in with bit 4
+  asm("mov.b32 %0, %1;" : "=r"(mg) : "n"(Code<T>::MAGIC));
+  const int t = lane & 3;
   // ldmatrix row addresses: lanes 8 i .. 8 i + 7 give matrix i's rows, token (lane & 7) + 8 (i / 2) (.x4 only),
   // columns 8 (i % 2) .. + 7 of the k-step.
   const int tok = (lane & 7) + (NT == 2 ? (lane >> 4) * 8 : 0);
@@ -206,26 +299,29 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT > 8 ? 2 : 1][4], const
 #pragma unroll
   for (int G = 0; G < 4; ++G) {
     const uint32_t hw = word(hib, G);
+    uint4 bq0, bq1;  // MT = 1: B of k-steps 4 G .. 4 G + 3, token 0 in every column (column 0 is read)
+    if constexpr (MT == 1) {
+      bq0 = reinterpret_cast<const uint4*>(xb)[(G * 4 + t) * 2];
+      bq1 = reinterpret_cast<const uint4*>(xb)[(G * 4 + t) * 2 + 1];
+    }
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const uint32_t nw = word(nib[G], s);
       uint32_t a[4];
       switch (s) {
-        case 0: a[0] = pair<T, 0, 0>(nw, hw); a[1] = pair<T, 0, 1>(nw, hw); a[2] = pair<T, 0, 2>(nw, hw);
-                a[3] = pair<T, 0, 3>(nw, hw); break;
-        case 1: a[0] = pair<T, 1, 0>(nw, hw); a[1] = pair<T, 1, 1>(nw, hw); a[2] = pair<T, 1, 2>(nw, hw);
-                a[3] = pair<T, 1, 3>(nw, hw); break;
-        case 2: a[0] = pair<T, 2, 0>(nw, hw); a[1] = pair<T, 2, 1>(nw, hw); a[2] = pair<T, 2, 2>(nw, hw);
-                a[3] = pair<T, 2, 3>(nw, hw); break;
-        default: a[0] = pair<T, 3, 0>(nw, hw); a[1] = pair<T, 3, 1>(nw, hw); a[2] = pair<T, 3, 2>(nw, hw);
-                 a[3] = pair<T, 3, 3>(nw, hw); break;
+        case 0: a[0] = pair<T, 0, 0, B1>(nw, hw, mg); a[1] = pair<T, 0, 1, B1>(nw, hw, mg);
+                a[2] = pair<T, 0, 2, B1>(nw, hw, mg); a[3] = pair<T, 0, 3, B1>(nw, hw, mg); break;
+        case 1: a[0] = pair<T, 1, 0, B1>(nw, hw, mg); a[1] = pair<T, 1, 1, B1>(nw, hw, mg);
+                a[2] = pair<T, 1, 2, B1>(nw, hw, mg); a[3] = pair<T, 1, 3, B1>(nw, hw, mg); break;
+        case 2: a[0] = pair<T, 2, 0, B1>(nw, hw, mg); a[1] = pair<T, 2, 1, B1>(nw, hw, mg);
+                a[2] = pair<T, 2, 2, B1>(nw, hw, mg); a[3] = pair<T, 2, 3, B1>(nw, hw, mg); break;
+        default: a[0] = pair<T, 3, 0, B1>(nw, hw, mg); a[1] = pair<T, 3, 1, B1>(nw, hw, mg);
+                 a[2] = pair<T, 3, 2, B1>(nw, hw, mg); a[3] = pair<T, 3, 3, B1>(nw, hw, mg); break;
       }
       const int ks = 4 * G + s;
       if constexpr (MT == 1) {
-        // B = x as the 8-column operand with only column 0 (token 0) nonzero.
-        const uint32_t* xw = reinterpret_cast<const uint32_t*>(xs + 16 * ks);
-        const uint32_t b0 = g == 0 ? xw[t] : 0u, b1 = g == 0 ? xw[t + 4] : 0u;
-        mma<T>(acc[0], a, b0, b1);
+        const uint4& bq = s < 2 ? bq0 : bq1;
+        mma<T>(acc[0], a, (s & 1) ? bq.z : bq.x, (s & 1) ? bq.w : bq.y);
       } else {
         const uint32_t addr = xs_base + (uint32_t)(32 * ks);
         if constexpr (NT == 1) {
@@ -243,17 +339,45 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT > 8 ? 2 : 1][4], const
   }
 }
 
-// Launch bounds: up to 512 threads a CTA (ptxas: no spills); LEAN (one token, CTAs of at most 8 warps, unless the
-// host asks otherwise): 256 threads and 3 CTAs an SM, so 80 registers (a few bytes spilled) and 24 resident warps an
-// SM keep more of the weight's loads in flight.
-template <int MT, bool LEAN>
-struct Bounds {
-  static constexpr int THREADS = LEAN ? 256 : 512;
-  static constexpr int MIN_CTAS = LEAN ? 3 : 1;
-};
+// The chunk's fixup records of the lane's row (lane % 16) and parity (lane / 16): h * x[token][column] summed
+// into fx. Window 0 (the first REC_CAP records) was put in flight at the chunk's start; more windows (a chunk with
+// more than REC_CAP records) are staged here.
+template <int MT, typename T>
+__device__ __forceinline__ void apply_fixups(const Layout& L, float (&fx)[MT], const T* xs, uint8_t* rbuf,
+                                             int64_t rec0, int nrec, int row_start, int row_end, int2 off, int lane) {
+  const int fpar = lane >> 4;
+  for (int w0 = 0; w0 < nrec; w0 += REC_CAP) {
+    const int cnt = min(REC_CAP, nrec - w0);
+    if (w0) {
+      __syncwarp();  // the previous window is no longer read
+      off = stage_records_async(L, rec0 + w0, cnt, rbuf, lane);
+    }
+    cp_async_wait_all();
+    __syncwarp();
+    int e = max(row_start + fpar, w0);
+    e += (e - row_start - fpar) & 1;  // keep the lane's parity
+    const int e_end = min(row_end, w0 + cnt);
+    const int hbase = (int)((rec0 + w0) & 1);
+    const uint8_t* rpos = rbuf + off.x;
+    const uint8_t* rh = rbuf + REC_POS_BYTES + off.y;
+    for (; e < e_end; e += 2) {
+      const int i = e - w0;
+      const uint32_t nb = (rh[(i + hbase) >> 1] >> (((i + hbase) & 1) * 4)) & 15u;
+      const float h = (float)fixup_h(nb & 7u);
+      const T* xc = xs + ((int)rpos[i] | (int)(nb >> 3) << 8);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) fx[m] = fmaf(h, to_f(xc[m * XSTRIDE]), fx[m]);
+    }
+  }
+}
 
-template <int MT, bool LEAN, typename T>
-__global__ void __launch_bounds__(Bounds<MT, LEAN>::THREADS, Bounds<MT, LEAN>::MIN_CTAS)
+// Launch bound: up to 512 threads a CTA (ptxas: no spills, ~110 registers at one token).
+constexpr int MAX_THREADS = 512;
+
+// Per chunk, in order: the chunk's records put in flight (their table entries were read a chunk ahead), x staged,
+// the two blocks' MMAs (the next block's loads in flight during each), then the records applied, by then landed.
+template <int MT, typename T>
+__global__ void __launch_bounds__(MAX_THREADS)
     linear_kernel(Layout L, const T* __restrict__ x, int64_t sxm, bool xvec, T* __restrict__ y, int64_t sym,
                   int64_t syn, int M, int cpw, int tpc, const float* __restrict__ scale) {
   constexpr int NT = MT > 8 ? 2 : 1;
@@ -263,8 +387,8 @@ __global__ void __launch_bounds__(Bounds<MT, LEAN>::THREADS, Bounds<MT, LEAN>::M
   const int tl = warp / wpt, run = warp - tl * wpt;  // the warp's tile in the CTA, its chunk run
   const int gl = tl * 32 + lane, gsize = tpc * 32;   // the warp's lanes among the run's stagers
   T* xs = reinterpret_cast<T*>(smem + run * XStage<MT>::BYTES);
-  uint8_t* rpos = smem + (int64_t)wpt * XStage<MT>::BYTES + warp * REC_BYTES;
-  uint8_t* rh = rpos + REC_CAP;
+  const uint32_t* xb = reinterpret_cast<const uint32_t*>(xs + XSTRIDE);  // MT = 1 only
+  uint8_t* rbuf = smem + (int64_t)wpt * XStage<MT>::BYTES + warp * REC_BYTES;
 
   const int64_t tiles = (L.n + TILE_ROWS - 1) / TILE_ROWS;
   const int tile = blockIdx.x * tpc + tl;            // may pass the last tile in the last CTA: it reads that one
@@ -274,7 +398,7 @@ __global__ void __launch_bounds__(Bounds<MT, LEAN>::THREADS, Bounds<MT, LEAN>::M
   x += (int64_t)m0 * sxm;
   const int chunks = L.steps / 2;
   const int b_begin = 2 * run * cpw, b_end = 2 * min(chunks, run * cpw + cpw);  // the run's blocks
-  const int fr = lane & 15, fpar = lane >> 4;
+  const int fr = lane & 15;
 
   float acc[NT][4];
 #pragma unroll
@@ -284,47 +408,30 @@ __global__ void __launch_bounds__(Bounds<MT, LEAN>::THREADS, Bounds<MT, LEAN>::M
   float fx[MT];
 #pragma unroll
   for (int m = 0; m < MT; ++m) fx[m] = 0.f;
+  float xsum = 0.f;  // MT = 1: x summed over the columns this thread staged
 
   // Zero the slice once (tokens past M are never staged); the first chunk's barrier orders it before staging.
   for (int i = gl; i < XStage<MT>::BYTES / 16; i += gsize) reinterpret_cast<uint4*>(xs)[i] = make_uint4(0, 0, 0, 0);
 
   const uint4* blocks = L.planes + tile_r * L.steps * BLOCK_VEC;
   uint4 nib[4], hib;
+  // The record table entries of the run's first chunk: rec0, its end, the lane row's end and start.
+  int64_t rec0 = 0;
+  int rec1 = 0, row_end = 0, row_start = 0;
   if (b_begin < b_end) {
     const uint4* b = blocks + (int64_t)b_begin * BLOCK_VEC;
 #pragma unroll
     for (int G = 0; G < 4; ++G) nib[G] = ld_stream(b + G * 32 + lane);
     hib = ld_stream(b + NIB_VEC + lane);
+    const int64_t grp = tile_r * chunks + (b_begin >> 1);
+    rec0 = __ldg(L.fx_base + grp);
+    rec1 = __ldg(L.fx_base + grp + 1);
+    row_end = __ldg(L.fx_ends + grp * TILE_ROWS + fr);
+    row_start = fr ? __ldg(L.fx_ends + grp * TILE_ROWS + fr - 1) : 0;
   }
+  int2 off = make_int2(0, 0);
+  int nx_rec1 = 0, nx_row_end = 0, nx_row_start = 0;  // the next chunk's table entries
   for (int B = b_begin; B < b_end; ++B) {
-    if ((B & 1) == 0) {  // a new chunk: stage its x, apply its fixups
-      const int64_t grp = tile_r * chunks + (B >> 1);
-      const int64_t rec0 = __ldg(L.fx_base + grp);
-      const int nrec = __ldg(L.fx_base + grp + 1) - (int)rec0;
-      const int row_end = __ldg(L.fx_ends + grp * TILE_ROWS + fr);
-      const int row_start = fr ? __ldg(L.fx_ends + grp * TILE_ROWS + fr - 1) : 0;
-      run_sync(run, gsize);  // the previous chunk's x and records are no longer read
-      stage_x<MT>(xs, x, sxm, mc, L.k, B * STEP_COLS, xvec, gl, gsize);
-      run_sync(run, gsize);  // x staged by every thread of the run before anyone reads it
-      for (int w0 = 0; w0 < nrec; w0 += REC_CAP) {  // windows of REC_CAP records (one unless many)
-        const int cnt = min(REC_CAP, nrec - w0);
-        if (w0) __syncwarp();
-        stage_records(L, rec0 + w0, cnt, rpos, rh, lane);
-        __syncwarp();
-        int e = max(row_start + fpar, w0);
-        e += (e - row_start - fpar) & 1;  // keep the lane's parity
-        const int e_end = min(row_end, w0 + cnt);
-        const int hbase = (int)((rec0 + w0) & 1);
-        for (; e < e_end; e += 2) {
-          const int i = e - w0;
-          const uint32_t nb = (rh[(i + hbase) >> 1] >> (((i + hbase) & 1) * 4)) & 15u;
-          const float h = (float)fixup_h(nb & 7u);
-          const T* xc = xs + ((int)rpos[i] | (int)(nb >> 3) << 8);
-#pragma unroll
-          for (int m = 0; m < MT; ++m) fx[m] = fmaf(h, to_f(xc[m * XSTRIDE]), fx[m]);
-        }
-      }
-    }
     // The next block, in flight while this one is computed.
     uint4 nib_next[4], hib_next;
     if (B + 1 < b_end) {
@@ -333,7 +440,27 @@ __global__ void __launch_bounds__(Bounds<MT, LEAN>::THREADS, Bounds<MT, LEAN>::M
       for (int G = 0; G < 4; ++G) nib_next[G] = ld_stream(b + G * 32 + lane);
       hib_next = ld_stream(b + NIB_VEC + lane);
     }
-    block_mma<MT, T>(acc, nib, hib, xs + (B & 1) * STEP_COLS, lane);
+    const int nrec = rec1 - (int)rec0;
+    if ((B & 1) == 0) {  // a new chunk: its records in flight, the next chunk's entries read, its x staged
+      run_sync(run, gsize);  // the previous chunk's x and records are no longer read
+      if (nrec > 0) off = stage_records_async(L, rec0, min(REC_CAP, nrec), rbuf, lane);
+      if (B + 2 < b_end) {
+        const int64_t grp = tile_r * chunks + (B >> 1) + 1;
+        nx_rec1 = __ldg(L.fx_base + grp + 1);
+        nx_row_end = __ldg(L.fx_ends + grp * TILE_ROWS + fr);
+        nx_row_start = fr ? __ldg(L.fx_ends + grp * TILE_ROWS + fr - 1) : 0;
+      }
+      stage_x<MT>(xs, x, sxm, mc, L.k, B * STEP_COLS, xvec, gl, gsize, xsum);
+      run_sync(run, gsize);  // x staged by every thread of the run before anyone reads it
+    }
+    block_mma<MT, T>(acc, nib, hib, xs + (B & 1) * STEP_COLS, xb + (B & 1) * (STEP_COLS / 2), lane);
+    if (B & 1) {  // the chunk's last block: its records, landed by now
+      if (nrec > 0) apply_fixups<MT, T>(L, fx, xs, rbuf, rec0, nrec, row_start, row_end, off, lane);
+      rec0 = rec1;
+      rec1 = nx_rec1;
+      row_end = nx_row_end;
+      row_start = nx_row_start;
+    }
     if (B + 1 < b_end) {
 #pragma unroll
       for (int G = 0; G < 4; ++G) nib[G] = nib_next[G];
@@ -341,8 +468,13 @@ __global__ void __launch_bounds__(Bounds<MT, LEAN>::THREADS, Bounds<MT, LEAN>::M
     }
   }
 
-  // Reduce: red[warp][row][token] in the (now free) shared memory.
+  // Reduce: red[warp][row][token] in the (now free) shared memory; MT = 1: after it, each warp's sum of x.
   __syncthreads();
+  if constexpr (MT == 1) {
+#pragma unroll
+    for (int o = 16; o; o >>= 1) xsum += __shfl_xor_sync(FULL, xsum, o);
+    if (lane == 0) reinterpret_cast<float*>(smem)[nwarps * TILE_ROWS + warp] = xsum;
+  }
   const int g = lane >> 2, t = lane & 3;
   float* red = reinterpret_cast<float*>(smem) + warp * TILE_ROWS * MT;
 #pragma unroll
@@ -366,6 +498,9 @@ __global__ void __launch_bounds__(Bounds<MT, LEAN>::THREADS, Bounds<MT, LEAN>::M
   }
   __syncthreads();
   const float sc = __ldg(scale);
+  float bias = 0.f;  // MT = 1: A held v5 + 48, so 48 * sum(x) over every column (staged once per CTA) comes off
+  if constexpr (MT == 1)
+    for (int w = 0; w < nwarps; ++w) bias += reinterpret_cast<const float*>(smem)[nwarps * TILE_ROWS + w];
   for (int i = threadIdx.x; i < tpc * TILE_ROWS * MT; i += blockDim.x) {
     const int tt = i / (TILE_ROWS * MT), j = i - tt * (TILE_ROWS * MT);
     const int r = j / MT, m = j - r * MT;
@@ -374,7 +509,7 @@ __global__ void __launch_bounds__(Bounds<MT, LEAN>::THREADS, Bounds<MT, LEAN>::M
     const float* base = reinterpret_cast<const float*>(smem) + (int64_t)tt * wpt * TILE_ROWS * MT + j;
     float v = 0.f;
     for (int w = 0; w < wpt; ++w) v += base[w * TILE_ROWS * MT];
-    y[(int64_t)(m0 + m) * sym + row * syn] = from_f<T>(v * sc);
+    y[(int64_t)(m0 + m) * sym + row * syn] = from_f<T>((v - 48.f * bias) * sc);
   }
 }
 
@@ -505,12 +640,17 @@ Layout make_layout(const torch::Tensor& planes, const torch::Tensor& fx_pos, con
   TORCH_CHECK(fx_h.numel() == (fx_pos.numel() + 1) / 2, "int8x planes cuda: fx_h has ", fx_h.numel(),
               " bytes, expected ceil(records / 2) = ", (fx_pos.numel() + 1) / 2);
   TORCH_CHECK(scale.numel() == 1, "int8x planes cuda: scale must hold one number, got ", scale.numel());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(fx_pos.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(fx_h.data_ptr()) % 16 == 0,
+              "int8x planes cuda: fx_pos and fx_h must start on a 16-byte boundary (the GEMV copies them in 16-byte "
+              "vectors)");
   Layout L;
   L.planes = reinterpret_cast<const uint4*>(planes.data_ptr<int32_t>());
   L.fx_pos = fx_pos.data_ptr<uint8_t>();
   L.fx_h = fx_h.data_ptr<uint8_t>();
   L.fx_base = fx_base.data_ptr<int32_t>();
   L.fx_ends = fx_ends.data_ptr<int16_t>();
+  L.n_rec = fx_pos.numel();
   L.n = (int)n_rows;
   L.k = (int)n_cols;
   L.steps = (int)steps;
@@ -525,26 +665,19 @@ struct LinearConfig {
   int wpt, cpw, tpc;
 };
 
-// warps (the most warps per tile) and tpc as asked, 0 = the default: enough CTAs x warps to fill the device (8
-// warps where the tiles alone give 4 CTAs per SM, else up to 16 as the launch bound and shared memory allow);
-// M > 1: two tiles a CTA share each chunk's staged x where the tiles give 2 CTAs per SM.
+// warps (the most warps per tile) and tpc as the host chose them (int8x_planes_cuda.default_config, or the
+// caller's config).
 template <int MT>
-LinearConfig linear_config(int64_t tiles, int chunks, int sms, int64_t warps, int64_t tpc, int64_t smem_max) {
-  constexpr int max_threads = Bounds<MT, false>::THREADS;
+LinearConfig linear_config(int chunks, int64_t warps, int64_t tpc, int64_t smem_max) {
   LinearConfig c;
-  if (tpc == 0) tpc = MT > 1 && tiles >= 2 * sms ? 2 : 1;
-  TORCH_CHECK(tpc >= 1 && tpc <= 4, "int8x planes cuda linear: tiles per CTA must be 1 .. 4, got ", tpc);
-  if (warps == 0) {
-    warps = std::min<int64_t>(XStage<MT>::MAX_WARPS, max_threads / 32 / tpc);
-    if (tiles >= 4 * sms) warps = std::min<int64_t>(warps, 8);
-  }
   TORCH_CHECK(warps >= 1 && warps <= MAX_CTA_WARPS, "int8x planes cuda linear: warps per tile must be 1 .. ",
               MAX_CTA_WARPS, ", got ", warps);
-  c.tpc = (int)tpc;
   c.cpw = (int)((chunks + warps - 1) / warps);
   c.wpt = (chunks + c.cpw - 1) / c.cpw;
-  TORCH_CHECK(c.wpt * c.tpc * 32 <= max_threads, "int8x planes cuda linear: ", c.wpt, " warps per tile x ", c.tpc,
-              " tiles per CTA = ", c.wpt * c.tpc * 32, " threads, more than the launch bound of ", max_threads);
+  TORCH_CHECK(tpc >= 1 && tpc <= 4, "int8x planes cuda linear: tiles per CTA must be 1 .. 4, got ", tpc);
+  c.tpc = (int)tpc;
+  TORCH_CHECK(c.wpt * c.tpc * 32 <= MAX_THREADS, "int8x planes cuda linear: ", c.wpt, " warps per tile x ", c.tpc,
+              " tiles per CTA = ", c.wpt * c.tpc * 32, " threads, more than the launch bound of ", MAX_THREADS);
   TORCH_CHECK(c.tpc == 1 || c.wpt <= 15, "int8x planes cuda linear: with several tiles per CTA at most 15 warps "
               "per tile (named barriers), got ", c.wpt);
   const int64_t smem = linear_smem<MT>(c.wpt, c.tpc);
@@ -555,16 +688,11 @@ LinearConfig linear_config(int64_t tiles, int chunks, int sms, int64_t warps, in
 
 template <int MT, typename T>
 void launch_linear(const Layout& L, const torch::Tensor& x, bool xvec, torch::Tensor& out, int M, const float* sp,
-                   cudaStream_t stream, int sms, int64_t smem_max, int64_t warps, int64_t tpc, int64_t lean) {
+                   cudaStream_t stream, int64_t smem_max, int64_t warps, int64_t tpc) {
   const int64_t tiles = (L.n + TILE_ROWS - 1) / TILE_ROWS;
-  const LinearConfig c = linear_config<MT>(tiles, L.steps / 2, sms, warps, tpc, smem_max);
+  const LinearConfig c = linear_config<MT>(L.steps / 2, warps, tpc, smem_max);
   const int64_t smem = linear_smem<MT>(c.wpt, c.tpc);
-  auto kernel = linear_kernel<MT, false, T>;
-  const bool fits_lean = MT == 1 && c.wpt * c.tpc * 32 <= Bounds<MT, true>::THREADS;
-  TORCH_CHECK(lean != 1 || fits_lean, "int8x planes cuda linear: the lean variant is for M = 1 and CTAs of at most ",
-              Bounds<MT, true>::THREADS, " threads, got M = ", M, " and ", c.wpt * c.tpc * 32, " threads");
-  if constexpr (MT == 1)
-    if (fits_lean && lean != 0) kernel = linear_kernel<MT, true, T>;
+  auto kernel = linear_kernel<MT, T>;
   set_smem(kernel, smem);
   const dim3 grid((unsigned)((tiles + c.tpc - 1) / c.tpc), (unsigned)((M + 15) / 16));
   kernel<<<grid, c.wpt * c.tpc * 32, smem, stream>>>(L, reinterpret_cast<const T*>(x.data_ptr()), x.stride(0), xvec,
@@ -575,18 +703,18 @@ void launch_linear(const Layout& L, const torch::Tensor& x, bool xvec, torch::Te
 
 template <typename T>
 void linear_t(const Layout& L, const torch::Tensor& x, bool xvec, torch::Tensor& out, int M, const float* sp,
-              cudaStream_t stream, int sms, int64_t smem_max, int64_t warps, int64_t tpc, int64_t lean) {
+              cudaStream_t stream, int64_t smem_max, int64_t warps, int64_t tpc) {
   if (M == 1)
-    launch_linear<1, T>(L, x, xvec, out, M, sp, stream, sms, smem_max, warps, tpc, lean);
+    launch_linear<1, T>(L, x, xvec, out, M, sp, stream, smem_max, warps, tpc);
   else if (M <= 8)
-    launch_linear<8, T>(L, x, xvec, out, M, sp, stream, sms, smem_max, warps, tpc, lean);
+    launch_linear<8, T>(L, x, xvec, out, M, sp, stream, smem_max, warps, tpc);
   else
-    launch_linear<16, T>(L, x, xvec, out, M, sp, stream, sms, smem_max, warps, tpc, lean);
+    launch_linear<16, T>(L, x, xvec, out, M, sp, stream, smem_max, warps, tpc);
 }
 
 void linear(torch::Tensor x, torch::Tensor planes, torch::Tensor fx_pos, torch::Tensor fx_h, torch::Tensor fx_base,
             torch::Tensor fx_ends, torch::Tensor scale, int64_t n_rows, int64_t n_cols, torch::Tensor out,
-            int64_t warps, int64_t tiles_per_cta, int64_t lean) {
+            int64_t warps, int64_t tiles_per_cta) {
   const Layout L = make_layout(planes, fx_pos, fx_h, fx_base, fx_ends, scale, n_rows, n_cols);
   TORCH_CHECK(x.is_cuda() && x.device() == planes.device(), "int8x planes cuda linear: x must be on ",
               planes.device(), ", got ", x.device());
@@ -603,22 +731,18 @@ void linear(torch::Tensor x, torch::Tensor planes, torch::Tensor fx_pos, torch::
               "int8x planes cuda linear: out must be (", x.size(0), ", ", n_rows, "), got shape ", out.sizes());
   TORCH_CHECK(x.size(0) <= 65535 * 16, "int8x planes cuda linear: x has ", x.size(0), " rows, at most ",
               65535 * 16, " (decode the weight and use a matmul for so many)");
-  TORCH_CHECK(warps >= 0 && tiles_per_cta >= 0, "int8x planes cuda linear: warps and tiles_per_cta must be >= 0 "
-              "(0: the default), got ", warps, ", ", tiles_per_cta);
-  TORCH_CHECK(lean >= -1 && lean <= 1, "int8x planes cuda linear: lean must be -1 (where it fits), 0 or 1, got ", lean);
   const int M = (int)x.size(0);
   if (M == 0) return;
   const c10::cuda::CUDAGuard guard(planes.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
-  int sms = 0, smem_max = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, planes.get_device()));
+  int smem_max = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, planes.get_device()));
   const bool xvec = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && (x.stride(0) * 2) % 16 == 0;
   const float* sp = scale.data_ptr<float>();
   if (x.scalar_type() == torch::kFloat16)
-    linear_t<__half>(L, x, xvec, out, M, sp, stream, sms, smem_max, warps, tiles_per_cta, lean);
+    linear_t<__half>(L, x, xvec, out, M, sp, stream, smem_max, warps, tiles_per_cta);
   else
-    linear_t<__nv_bfloat16>(L, x, xvec, out, M, sp, stream, sms, smem_max, warps, tiles_per_cta, lean);
+    linear_t<__nv_bfloat16>(L, x, xvec, out, M, sp, stream, smem_max, warps, tiles_per_cta);
 }
 
 void decode(torch::Tensor planes, torch::Tensor fx_pos, torch::Tensor fx_h, torch::Tensor fx_base,
@@ -662,8 +786,7 @@ void decode(torch::Tensor planes, torch::Tensor fx_pos, torch::Tensor fx_h, torc
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "int8x planes fused decode-GEMV: out = x @ W^T", py::arg("x"), py::arg("planes"),
         py::arg("fx_pos"), py::arg("fx_h"), py::arg("fx_base"), py::arg("fx_ends"), py::arg("scale"),
-        py::arg("n_rows"), py::arg("n_cols"), py::arg("out"), py::arg("warps") = 0, py::arg("tiles_per_cta") = 0,
-        py::arg("lean") = -1);
+        py::arg("n_rows"), py::arg("n_cols"), py::arg("out"), py::arg("warps"), py::arg("tiles_per_cta"));
   m.def("decode", &decode, "int8x planes decode into out (n_rows, n_cols)", py::arg("planes"), py::arg("fx_pos"),
         py::arg("fx_h"), py::arg("fx_base"), py::arg("fx_ends"), py::arg("scale"), py::arg("n_rows"),
         py::arg("n_cols"), py::arg("out"));
