@@ -22,9 +22,10 @@ MAX_THREADS = 512
 MAX_TILES_PER_CTA = 4
 MAX_WARPS = 16
 # Shared memory of a CTA (csrc/int8x_planes.cu, linear_smem): each warp of a tile stages x for its chunk run
-# (XT token rows of XSTRIDE elements; one token: the chunk again in B-fragment order) and every warp its records
-# (16-byte vectors of positions and codes); the reduction reuses the same bytes.
-XSTRIDE, REC_BYTES, TILE_ROWS, CHUNK = 512 + 8, 65 * 16 + 33 * 16, 16, 512
+# (XT token rows of XSTRIDE elements; one token: the chunk again in B-fragment order), every warp its records
+# (16-byte vectors of positions and codes) and its blocks of the plane in flight (3 at one token, else 2); the
+# reduction reuses the same bytes.
+XSTRIDE, REC_BYTES, BLOCK_BYTES, TILE_ROWS, CHUNK = 512 + 8, 65 * 16 + 33 * 16, 640 * 4, 16, 512
 
 extension = LazyExtension("vllm_parity_int8x_planes", "int8x_planes.cu", "int8x planes CUDA kernels")
 
@@ -102,8 +103,12 @@ def default_config(m: int, n: int, k: int, sms: int, smem_max: int = 227 * 1024)
     chunks, tiles = -(-k // CHUNK), -(-n // TILE_ROWS)
     run = 2 if m == 1 and chunks <= 8 else 4
     warps = min(-(-chunks // run), 8 if m > 8 else MAX_WARPS)
-    cpw = -(-chunks // warps)
-    wpt = -(-chunks // cpw)
+    while True:  # fewer warps a tile where a device has less shared memory
+        cpw = -(-chunks // warps)
+        wpt = -(-chunks // cpw)
+        if warps == 1 or smem_bytes(m, wpt, 1) <= smem_max:
+            break
+        warps -= 1
     tpc = 1
     if m > 1:
         tpc = next((t for t in (4, 2) if wpt * t <= MAX_WARPS and tiles * 2 >= t * sms
@@ -114,8 +119,9 @@ def default_config(m: int, n: int, k: int, sms: int, smem_max: int = 227 * 1024)
 def smem_bytes(m: int, wpt: int, tpc: int) -> int:
     """The shared memory a CTA of ``wpt`` warps per tile and ``tpc`` tiles takes for ``m`` rows of x."""
     mt = 1 if m == 1 else 8 if m <= 8 else 16
-    staged = wpt * (mt * XSTRIDE * 2 + (CHUNK * 2 if mt == 1 else 0)) + wpt * tpc * REC_BYTES
-    return max(staged, wpt * tpc * TILE_ROWS * mt * 4)
+    per_warp = REC_BYTES + (3 if mt == 1 else 2) * BLOCK_BYTES
+    staged = wpt * (mt * XSTRIDE * 2 + (CHUNK * 2 if mt == 1 else 0)) + wpt * tpc * per_warp
+    return max(staged, wpt * tpc * (TILE_ROWS * mt + 1) * 4)
 
 
 def linear(x: torch.Tensor, layout: Int8xPlanes, out: torch.Tensor | None = None, config=None) -> torch.Tensor:

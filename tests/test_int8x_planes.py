@@ -177,9 +177,9 @@ def test_cuda_config_validation():
     assert kc.default_config(4, 14336, 4096, 132) == (2, 4, 4)
     assert kc.default_config(16, 14336, 4096, 132) == (2, 4, 4)
     assert kc.default_config(16, 4096, 14336, 132) == (7, 4, 2)    # 128 CTAs
-    assert kc.default_config(16, 4096, 65536, 132) == (8, 16, 2)   # 8 warps at most for 16 tokens (shared memory)
+    assert kc.default_config(16, 4096, 65536, 132) == (8, 16, 1)   # 8 warps at most for 16 tokens (shared memory)
     assert kc.default_config(5, 100, 600, 132) == (1, 2, 1)        # 7 tiles: one a CTA
-    assert kc.default_config(16, 14336, 4096, 132, smem_max=40 * 1024) == (2, 4, 2)
+    assert kc.default_config(16, 14336, 4096, 132, smem_max=40 * 1024) == (1, 8, 2)  # fewer warps where less fits
     for bad, match in [((0, 1), "warps must be 1 .. 16"), ((17, 1), "warps must be 1 .. 16"),
                        ((4, 0), "tiles_per_cta must be 1 .. 4"), ((4, 5), "tiles_per_cta must be 1 .. 4"),
                        ((4,), "two ints"), ((4.0, 1), "two ints"), ("8x1", "two ints"),
@@ -189,12 +189,12 @@ def test_cuda_config_validation():
     with pytest.raises(ValueError, match="1024 threads for K=4096, more than the kernel's 512"):
         kc.resolve_config((8, 4), 4096)
     # shared memory, as the kernel lays it out: x staged per warp of a tile (1, 8 or 16 token rows of 520
-    # elements; one token: the chunk again in B-fragment order, 1024 bytes), 1568 bytes of records per warp, or
-    # the reduction's 16 rows x tokens x 4 bytes per warp if larger
-    assert kc.smem_bytes(1, 8, 1) == 8 * (1040 + 1024) + 8 * 1568
-    assert kc.smem_bytes(5, 4, 2) == 4 * 8 * 1040 + 8 * 1568
-    assert kc.smem_bytes(16, 16, 1) == 16 * 16 * 1040 + 16 * 1568 > 227 * 1024  # the device cannot hold it
-    assert kc.smem_bytes(16, 1, 4) == max(16 * 1040 + 4 * 1568, 4 * 16 * 16 * 4)
+    # elements; one token: the chunk again in B-fragment order, 1024 bytes), per warp 1568 bytes of records and
+    # 3 (one token) or 2 blocks of 2560 bytes, or the reduction's (16 rows x tokens + 1) x 4 bytes per warp if larger
+    assert kc.smem_bytes(1, 8, 1) == 8 * (1040 + 1024) + 8 * (1568 + 3 * 2560)
+    assert kc.smem_bytes(5, 4, 2) == 4 * 8 * 1040 + 8 * (1568 + 2 * 2560)
+    assert kc.smem_bytes(16, 16, 1) == 16 * 16 * 1040 + 16 * (1568 + 2 * 2560) > 227 * 1024  # the device cannot
+    assert kc.smem_bytes(16, 1, 4) == max(16 * 1040 + 4 * (1568 + 2 * 2560), 4 * (16 * 16 + 1) * 4)
 
 
 # -- GPU ------------------------------------------------------------------------------------------

@@ -12,19 +12,19 @@
 //    chunk again in B-fragment order, so that a lane reads 4 k-steps of B in two 16-byte loads, the token in every
 //    column of B (no lane-dependent branch). With one tile per CTA the warp stages alone (__syncwarp), else the
 //    tiles' warps meet at a named barrier (one per chunk run),
-//  * per 256-column block (the next one's five 16-byte loads per lane in flight meanwhile) runs 16
+//  * per 256-column block (the next NSTAGE - 1 in flight to shared memory by cp.async meanwhile) runs 16
 //    mma.m16n8k16 (two per k-step for M > 8) with A decoded from the plane: a pair of codes c becomes
-//    the fp16 / bf16 pair 1024 + c / 128 + c with one OR of the nibbles and bit 4 into the magic number's
-//    mantissa, minus 1040 / 144 in one packed subtraction (exact: small integers), so ~2.5 instructions a weight.
+//    the fp16 / bf16 pair 32 + c with two lop3 (nibbles, bit 4 and the magic number 32.0), minus 48 in one
+//    packed subtraction at M > 1; at M = 1 the CTA subtracts 48 * sum(x) once instead (exact: small integers).
 //    B comes from the staged rows with ldmatrix (no .trans: an 8 x 8 matrix of 8 tokens x 8 consecutive k is
 //    b0, the next 8 k b1; .x4 covers 16 tokens),
 //  * then the records, landed by now: lane l walks those of row l % 16 with parity l / 16, adding
 //    h * x[token][column] per token to fp32 registers.
 // The warps' accumulators and 32 * fixup sums meet in shared memory; the CTA writes scale * sum in y's dtype.
 //
-// Decode: one warp per (tile, step) block: the codes go to a shared [16][256] int8 tile, the records of its half
-// of the chunk patch it,
-// then the lanes write 16-byte vectors of q * scale row by row (rows past N and columns past K are not written).
+// Decode: one warp per (tile, step) block: its records go to shared memory by cp.async while the codes go to a
+// shared [16][256] int8 tile; the records of its half of the chunk patch it, then the lanes write 16-byte vectors
+// of q * scale row by row (rows past N and columns past K are not written).
 
 #include <torch/extension.h>
 #include <c10/cuda/CUDAException.h>
@@ -150,15 +150,6 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 // Fixup code -> h in -4..-1, 1..4.
 __device__ __forceinline__ int fixup_h(uint32_t code) { return (int)code - 4 + (int)(code >> 2); }
 
-// The records of block b staged in shared memory: positions and 4-bit codes of records [w0, w0 + cnt).
-// Bytes of fx_h are staged from record w0 & ~1, so record e's code is at nibble e - (w0 & ~1).
-__device__ __forceinline__ void stage_records(const Layout& L, int64_t w0, int cnt, uint8_t* rpos, uint8_t* rh,
-                                              int lane) {
-  for (int i = lane; i < cnt; i += 32) rpos[i] = __ldg(L.fx_pos + w0 + i);
-  const int64_t h0 = w0 >> 1, h1 = (w0 + cnt + 1) >> 1;
-  for (int64_t i = lane; i < h1 - h0; i += 32) rh[i] = __ldg(L.fx_h + h0 + i);
-}
-
 // -- fused GEMV -----------------------------------------------------------------------------------
 
 constexpr int XSTRIDE = CHUNK_COLS + 8;  // elements per staged token row: 1040 bytes, 16 (mod 128)
@@ -175,22 +166,31 @@ struct XStage {
   // two 16-byte loads.
   static constexpr int BYTES = XT * XSTRIDE * 2 + (MT == 1 ? CHUNK_COLS * 2 : 0);  // a multiple of 16
   static constexpr int MAX_WARPS = MT > 8 ? 8 : 16;  // the most warps per tile by default (shared memory)
+  // Blocks of the plane in flight to shared memory per warp (cp.async): the one computed and the next
+  // NSTAGE - 1.
+  static constexpr int NSTAGE = MT == 1 ? 3 : 2;
+  static constexpr int WARP_BYTES = REC_BYTES + NSTAGE * BLOCK_VEC * 16;  // records and blocks of one warp
 };
 
-// Shared memory of a CTA: wpt x slices, then tpc * wpt record buffers; the reduction reuses it from the start.
+// Shared memory of a CTA: wpt x slices, then per warp its records and its blocks; the reduction reuses it from
+// the start.
 template <int MT>
 __host__ __device__ constexpr int64_t linear_smem(int wpt, int tpc) {
-  return (int64_t)wpt * XStage<MT>::BYTES + (int64_t)wpt * tpc * REC_BYTES > (int64_t)wpt * tpc * TILE_ROWS * MT * 4
-             ? (int64_t)wpt * XStage<MT>::BYTES + (int64_t)wpt * tpc * REC_BYTES
-             : (int64_t)wpt * tpc * TILE_ROWS * MT * 4;
+  return (int64_t)wpt * XStage<MT>::BYTES + (int64_t)wpt * tpc * XStage<MT>::WARP_BYTES >
+                 (int64_t)wpt * tpc * (TILE_ROWS * MT + 1) * 4
+             ? (int64_t)wpt * XStage<MT>::BYTES + (int64_t)wpt * tpc * XStage<MT>::WARP_BYTES
+             : (int64_t)wpt * tpc * (TILE_ROWS * MT + 1) * 4;
 }
 
-// The threads that stage one x slice: a warp (tpc = 1) or the tpc warps of one chunk run (named barrier 1 + run).
+// The threads that stage one x slice: a warp (one tile a CTA) or the tpc warps of one chunk run (named barrier
+// 1 + run). Only the SHARED kernels name barriers: a barrier id known only at run time reserves all 16 of the CTA,
+// which caps an SM at 4 CTAs.
+template <bool SHARED>
 __device__ __forceinline__ void run_sync(int run, int threads) {
-  if (threads == 32)
-    __syncwarp();
-  else
+  if constexpr (SHARED)
     asm volatile("bar.sync %0, %1;" ::"r"(run + 1), "r"(threads) : "memory");
+  else
+    __syncwarp();
 }
 
 // 16 bytes global -> shared without registers; the bytes past src_bytes (0 .. 16) are zero and not read.
@@ -199,12 +199,20 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_b
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+// Until at most N of this thread's newest groups are in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-// Records [r0, r0 + cnt) in flight to the warp's buffer (the kernel waits for them before reading): the
+// Records [r0, r0 + cnt) in flight to the warp's buffer as one cp.async group (empty for cnt = 0; the kernel waits
+// for it before reading): the
 // 16-byte vectors of fx_pos and fx_h that hold them (the host checks both tensors are 16-byte aligned).
 // Returns where record r0's position and code byte land: pos at rbuf[o.x + i], code byte at
 // rbuf[REC_POS_BYTES + o.y + ((i + (r0 & 1)) >> 1)].
 __device__ __forceinline__ int2 stage_records_async(const Layout& L, int64_t r0, int cnt, uint8_t* rbuf, int lane) {
+  if (cnt == 0) {
+    cp_async_commit();
+    return make_int2(0, 0);
+  }
   const uintptr_t p0 = reinterpret_cast<uintptr_t>(L.fx_pos + r0), pa = p0 & ~(uintptr_t)15;
   const uintptr_t pend = reinterpret_cast<uintptr_t>(L.fx_pos + L.n_rec);
   const int npv = (int)((p0 + cnt - pa + 15) >> 4);
@@ -257,35 +265,55 @@ __device__ __forceinline__ float sum8(const uint4& v) {
   return s;
 }
 
+// One token: a chunk of x is 64 vectors, at most two a thread (32 or more stagers). They are loaded a chunk
+// ahead into registers (XAhead) and stored when the chunk starts, so no chunk waits for its x.
+struct XAhead {
+  uint4 v[2];
+};
+
+template <typename T>
+__device__ __forceinline__ void load_x1(XAhead& a, const T* __restrict__ x, int K, int c0, bool xvec, int gl,
+                                        int gsize) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+    if (gl + i * gsize < CHUNK_COLS / 8) a.v[i] = load_x8(x, K, c0 + 8 * (gl + i * gsize), xvec);
+}
+
+// Stored as a row and in B-fragment order, and summed (the bias of A, block_mma).
+template <typename T>
+__device__ __forceinline__ void store_x1(T* xs, const XAhead& a, int gl, int gsize, float& xsum) {
+  uint32_t* xp = reinterpret_cast<uint32_t*>(xs + XSTRIDE);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int v = gl + i * gsize;
+    if (v >= CHUNK_COLS / 8) break;
+    const uint4 packed = a.v[i];
+    xsum += sum8<T>(packed);
+    *reinterpret_cast<uint4*>(xs + 8 * v) = packed;
+    const int w = xperm_word(8 * v);  // the vector's words go to lane columns t = 0 .. 3: 8 words apart
+    xp[w] = packed.x;
+    xp[w + 8] = packed.y;
+    xp[w + 16] = packed.z;
+    xp[w + 24] = packed.w;
+  }
+}
+
+// More tokens: loaded and stored when the chunk starts.
 template <int MT, typename T>
 __device__ __forceinline__ void stage_x(T* xs, const T* __restrict__ x, int64_t sxm, int mc, int K, int c0, bool xvec,
-                                        int gl, int gsize, float& xsum) {
+                                        int gl, int gsize) {
   constexpr int VPR = CHUNK_COLS / 8;  // vectors per token row
-  if constexpr (MT == 1) {  // and the sum of what the thread staged, for the bias of A (block_mma)
-    uint32_t* xp = reinterpret_cast<uint32_t*>(xs + XSTRIDE);
-    for (int v = gl; v < VPR; v += gsize) {
-      const uint4 packed = load_x8(x, K, c0 + 8 * v, xvec);
-      xsum += sum8<T>(packed);
-      *reinterpret_cast<uint4*>(xs + 8 * v) = packed;
-      const int w = xperm_word(8 * v);  // the vector's words go to lane columns t = 0 .. 3: 8 words apart
-      xp[w] = packed.x;
-      xp[w + 8] = packed.y;
-      xp[w + 16] = packed.z;
-      xp[w + 24] = packed.w;
-    }
-  } else {
-    const int nv = mc * VPR;
-    for (int i = gl; i < nv; i += gsize) {
-      const int m = i / VPR, v = i - m * VPR;
-      *reinterpret_cast<uint4*>(xs + m * XSTRIDE + 8 * v) = load_x8(x + (int64_t)m * sxm, K, c0 + 8 * v, xvec);
-    }
+  const int nv = mc * VPR;
+  for (int i = gl; i < nv; i += gsize) {
+    const int m = i / VPR, v = i - m * VPR;
+    *reinterpret_cast<uint4*>(xs + m * XSTRIDE + 8 * v) = load_x8(x + (int64_t)m * sxm, K, c0 + 8 * v, xvec);
   }
 }
 
 // 16 k-steps of one 256-column block: A decoded from the plane, B from the staged x (xs: the block's first
 // column of token row 0; MT = 1: xb, the block's B-fragment copy).
 template <int MT, typename T>
-__device__ __forceinline__ void block_mma(float (&acc)[MT > 8 ? 2 : 1][4], const uint4 (&nib)[4], const uint4& hib,
+__device__ __forceinline__ void block_mma(float (&acc)[2][4], const uint4 (&nib)[4], const uint4& hib,
                                           const T* xs, const uint32_t* xb, int lane) {
   constexpr int NT = MT > 8 ? 2 : 1;
   constexpr bool B1 = MT == 1;  // one token: A biased by 48, 48 * sum(x) subtracted once at the end
@@ -321,13 +349,13 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT > 8 ? 2 : 1][4], const
       const int ks = 4 * G + s;
       if constexpr (MT == 1) {
         const uint4& bq = s < 2 ? bq0 : bq1;
-        mma<T>(acc[0], a, (s & 1) ? bq.z : bq.x, (s & 1) ? bq.w : bq.y);
+        mma<T>(acc[s & 1], a, (s & 1) ? bq.z : bq.x, (s & 1) ? bq.w : bq.y);
       } else {
         const uint32_t addr = xs_base + (uint32_t)(32 * ks);
         if constexpr (NT == 1) {
           uint32_t b0, b1;
           ldsm_x2(addr, b0, b1);
-          mma<T>(acc[0], a, b0, b1);
+          mma<T>(acc[s & 1], a, b0, b1);
         } else {
           uint32_t b0, b1, b2, b3;
           ldsm_x4(addr, b0, b1, b2, b3);
@@ -340,8 +368,8 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT > 8 ? 2 : 1][4], const
 }
 
 // The chunk's fixup records of the lane's row (lane % 16) and parity (lane / 16): h * x[token][column] summed
-// into fx. Window 0 (the first REC_CAP records) was put in flight at the chunk's start; more windows (a chunk with
-// more than REC_CAP records) are staged here.
+// into fx. Window 0 (the first REC_CAP records) was put in flight at the chunk's start, two block groups after
+// it; more windows (a chunk with more than REC_CAP records) are staged here.
 template <int MT, typename T>
 __device__ __forceinline__ void apply_fixups(const Layout& L, float (&fx)[MT], const T* xs, uint8_t* rbuf,
                                              int64_t rec0, int nrec, int row_start, int row_end, int2 off, int lane) {
@@ -351,8 +379,10 @@ __device__ __forceinline__ void apply_fixups(const Layout& L, float (&fx)[MT], c
     if (w0) {
       __syncwarp();  // the previous window is no longer read
       off = stage_records_async(L, rec0 + w0, cnt, rbuf, lane);
+      cp_async_wait_all();
+    } else {
+      cp_async_wait<2>();
     }
-    cp_async_wait_all();
     __syncwarp();
     int e = max(row_start + fpar, w0);
     e += (e - row_start - fpar) & 1;  // keep the lane's parity
@@ -374,9 +404,12 @@ __device__ __forceinline__ void apply_fixups(const Layout& L, float (&fx)[MT], c
 // Launch bound: up to 512 threads a CTA (ptxas: no spills, ~110 registers at one token).
 constexpr int MAX_THREADS = 512;
 
-// Per chunk, in order: the chunk's records put in flight (their table entries were read a chunk ahead), x staged,
-// the two blocks' MMAs (the next block's loads in flight during each), then the records applied, by then landed.
-template <int MT, typename T>
+// Blocks go to shared memory by cp.async, NSTAGE - 1 ahead of the one computed, each lane copying (and later
+// reading) its own five vectors. Per chunk, in order: the chunk's records put in flight (their table entries were
+// read a chunk ahead), x staged, the two blocks' MMAs, then the records applied, by then landed. Every block and
+// every chunk's records is one cp.async group, empty where there is nothing to copy, so the number of groups
+// newer than the one awaited is fixed.
+template <int MT, bool SHARED, typename T>
 __global__ void __launch_bounds__(MAX_THREADS)
     linear_kernel(Layout L, const T* __restrict__ x, int64_t sxm, bool xvec, T* __restrict__ y, int64_t sym,
                   int64_t syn, int M, int cpw, int tpc, const float* __restrict__ scale) {
@@ -388,7 +421,9 @@ __global__ void __launch_bounds__(MAX_THREADS)
   const int gl = tl * 32 + lane, gsize = tpc * 32;   // the warp's lanes among the run's stagers
   T* xs = reinterpret_cast<T*>(smem + run * XStage<MT>::BYTES);
   const uint32_t* xb = reinterpret_cast<const uint32_t*>(xs + XSTRIDE);  // MT = 1 only
-  uint8_t* rbuf = smem + (int64_t)wpt * XStage<MT>::BYTES + warp * REC_BYTES;
+  constexpr int NSTAGE = XStage<MT>::NSTAGE;
+  uint8_t* rbuf = smem + (int64_t)wpt * XStage<MT>::BYTES + warp * XStage<MT>::WARP_BYTES;
+  uint4* pbuf = reinterpret_cast<uint4*>(rbuf + REC_BYTES);  // NSTAGE blocks of BLOCK_VEC vectors
 
   const int64_t tiles = (L.n + TILE_ROWS - 1) / TILE_ROWS;
   const int tile = blockIdx.x * tpc + tl;            // may pass the last tile in the last CTA: it reads that one
@@ -400,9 +435,11 @@ __global__ void __launch_bounds__(MAX_THREADS)
   const int b_begin = 2 * run * cpw, b_end = 2 * min(chunks, run * cpw + cpw);  // the run's blocks
   const int fr = lane & 15;
 
-  float acc[NT][4];
+  // Up to 8 tokens: even and odd k-steps in two accumulators, two chains of dependent MMAs instead of one; more
+  // tokens: one per 8 tokens.
+  float acc[2][4];
 #pragma unroll
-  for (int i = 0; i < NT; ++i)
+  for (int i = 0; i < 2; ++i)
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
   float fx[MT];
@@ -414,45 +451,68 @@ __global__ void __launch_bounds__(MAX_THREADS)
   for (int i = gl; i < XStage<MT>::BYTES / 16; i += gsize) reinterpret_cast<uint4*>(xs)[i] = make_uint4(0, 0, 0, 0);
 
   const uint4* blocks = L.planes + tile_r * L.steps * BLOCK_VEC;
-  uint4 nib[4], hib;
+  // Block B of the run (if there is one) in flight to its stage; one group either way.
+  auto fetch = [&](int B) {
+    if (B < b_end) {
+      const uint4* b = blocks + (int64_t)B * BLOCK_VEC + lane;
+      uint4* d = pbuf + (B % NSTAGE) * BLOCK_VEC + lane;
+#pragma unroll
+      for (int i = 0; i < 5; ++i) cp_async16(d + 32 * i, b + 32 * i, 16);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < NSTAGE - 1; ++i) fetch(b_begin + i);
   // The record table entries of the run's first chunk: rec0, its end, the lane row's end and start.
   int64_t rec0 = 0;
   int rec1 = 0, row_end = 0, row_start = 0;
   if (b_begin < b_end) {
-    const uint4* b = blocks + (int64_t)b_begin * BLOCK_VEC;
-#pragma unroll
-    for (int G = 0; G < 4; ++G) nib[G] = ld_stream(b + G * 32 + lane);
-    hib = ld_stream(b + NIB_VEC + lane);
     const int64_t grp = tile_r * chunks + (b_begin >> 1);
     rec0 = __ldg(L.fx_base + grp);
     rec1 = __ldg(L.fx_base + grp + 1);
     row_end = __ldg(L.fx_ends + grp * TILE_ROWS + fr);
     row_start = fr ? __ldg(L.fx_ends + grp * TILE_ROWS + fr - 1) : 0;
   }
+  XAhead xa;  // MT = 1: the next chunk's x
+  if constexpr (MT == 1)
+    if (b_begin < b_end) load_x1(xa, x, L.k, b_begin * STEP_COLS, xvec, gl, gsize);
   int2 off = make_int2(0, 0);
   int nx_rec1 = 0, nx_row_end = 0, nx_row_start = 0;  // the next chunk's table entries
   for (int B = b_begin; B < b_end; ++B) {
-    // The next block, in flight while this one is computed.
-    uint4 nib_next[4], hib_next;
-    if (B + 1 < b_end) {
-      const uint4* b = blocks + (int64_t)(B + 1) * BLOCK_VEC;
-#pragma unroll
-      for (int G = 0; G < 4; ++G) nib_next[G] = ld_stream(b + G * 32 + lane);
-      hib_next = ld_stream(b + NIB_VEC + lane);
-    }
     const int nrec = rec1 - (int)rec0;
     if ((B & 1) == 0) {  // a new chunk: its records in flight, the next chunk's entries read, its x staged
-      run_sync(run, gsize);  // the previous chunk's x and records are no longer read
-      if (nrec > 0) off = stage_records_async(L, rec0, min(REC_CAP, nrec), rbuf, lane);
+      run_sync<SHARED>(run, gsize);  // the previous chunk's x and records are no longer read
+      off = stage_records_async(L, rec0, min(REC_CAP, nrec), rbuf, lane);
       if (B + 2 < b_end) {
         const int64_t grp = tile_r * chunks + (B >> 1) + 1;
         nx_rec1 = __ldg(L.fx_base + grp + 1);
         nx_row_end = __ldg(L.fx_ends + grp * TILE_ROWS + fr);
         nx_row_start = fr ? __ldg(L.fx_ends + grp * TILE_ROWS + fr - 1) : 0;
       }
-      stage_x<MT>(xs, x, sxm, mc, L.k, B * STEP_COLS, xvec, gl, gsize, xsum);
-      run_sync(run, gsize);  // x staged by every thread of the run before anyone reads it
+      if constexpr (MT == 1) {
+        store_x1(xs, xa, gl, gsize, xsum);
+        if (B + 2 < b_end) load_x1(xa, x, L.k, (B + 2) * STEP_COLS, xvec, gl, gsize);
+      } else {
+        stage_x<MT>(xs, x, sxm, mc, L.k, B * STEP_COLS, xvec, gl, gsize);
+      }
+      run_sync<SHARED>(run, gsize);  // x staged by every thread of the run before anyone reads it
     }
+    fetch(B + NSTAGE - 1);
+    // Newer than block B's group: the NSTAGE - 1 blocks after it and the records of the chunks started since it
+    // was fetched (NSTAGE = 3: one; NSTAGE = 2: this chunk's, where B starts it).
+    if constexpr (NSTAGE == 3) {
+      cp_async_wait<3>();
+    } else {
+      if (B & 1)
+        cp_async_wait<1>();
+      else
+        cp_async_wait<2>();
+    }
+    const uint4* pb = pbuf + (B % NSTAGE) * BLOCK_VEC + lane;
+    uint4 nib[4];
+#pragma unroll
+    for (int G = 0; G < 4; ++G) nib[G] = pb[32 * G];
+    const uint4 hib = pb[NIB_VEC];
     block_mma<MT, T>(acc, nib, hib, xs + (B & 1) * STEP_COLS, xb + (B & 1) * (STEP_COLS / 2), lane);
     if (B & 1) {  // the chunk's last block: its records, landed by now
       if (nrec > 0) apply_fixups<MT, T>(L, fx, xs, rbuf, rec0, nrec, row_start, row_end, off, lane);
@@ -461,14 +521,13 @@ __global__ void __launch_bounds__(MAX_THREADS)
       row_end = nx_row_end;
       row_start = nx_row_start;
     }
-    if (B + 1 < b_end) {
-#pragma unroll
-      for (int G = 0; G < 4; ++G) nib[G] = nib_next[G];
-      hib = hib_next;
-    }
   }
+  cp_async_wait_all();  // nothing may land after the shared memory is reused below
 
   // Reduce: red[warp][row][token] in the (now free) shared memory; MT = 1: after it, each warp's sum of x.
+  if constexpr (NT == 1)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[0][j] += acc[1][j];
   __syncthreads();
   if constexpr (MT == 1) {
 #pragma unroll
@@ -517,7 +576,7 @@ __global__ void __launch_bounds__(MAX_THREADS)
 
 constexpr int DEC_WARPS = 8;
 constexpr int DEC_ROW = STEP_COLS + 16;  // int8 staging row, padded
-constexpr int DEC_WARP_BYTES = TILE_ROWS * DEC_ROW + REC_CAP + REC_CAP / 2 + 16;
+constexpr int DEC_WARP_BYTES = TILE_ROWS * DEC_ROW + REC_BYTES;
 
 template <typename O>
 __global__ void __launch_bounds__(DEC_WARPS * 32) decode_kernel(Layout L, O* __restrict__ out, bool ovec, int blocks,
@@ -528,45 +587,51 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) decode_kernel(Layout L, O* __r
   if (blk >= blocks) return;  // whole warp
   unsigned char* mine = smem + warp * DEC_WARP_BYTES;
   int8_t* qs = reinterpret_cast<int8_t*>(mine);
-  uint8_t* rpos = mine + TILE_ROWS * DEC_ROW;
-  uint8_t* rh = rpos + REC_CAP;
+  uint8_t* rbuf = mine + TILE_ROWS * DEC_ROW;
   const int tile = blk / L.steps, S = blk - tile * L.steps;
   const int g = lane >> 2, t = lane & 3;
+  // The block's half of a record group: its records in flight (cp.async) while the plane is decoded.
+  const int64_t grp = (int64_t)tile * (L.steps / 2) + (S >> 1);
+  const int fr = lane & 15, fpar = lane >> 4;
   const uint4* b = L.planes + (int64_t)blk * BLOCK_VEC;
+  uint4 nv[4];
+#pragma unroll
+  for (int G = 0; G < 4; ++G) nv[G] = ld_stream(b + G * 32 + lane);
   const uint4 hib = ld_stream(b + NIB_VEC + lane);
+  const int64_t rec0 = __ldg(L.fx_base + grp);
+  const int nrec = __ldg(L.fx_base + grp + 1) - (int)rec0;
+  const int row_end = __ldg(L.fx_ends + grp * TILE_ROWS + fr);
+  const int row_start = fr ? __ldg(L.fx_ends + grp * TILE_ROWS + fr - 1) : 0;
+  int2 off = stage_records_async(L, rec0, min(REC_CAP, nrec), rbuf, lane);
 #pragma unroll
   for (int G = 0; G < 4; ++G) {
-    const uint4 nv = ld_stream(b + G * 32 + lane);
     const uint32_t hw = word(hib, G);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      const uint32_t nw = word(nv, s);
+      const uint32_t nw = word(nv[G], s);
 #pragma unroll
-      for (int p = 0; p < 4; ++p) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int c = (int)(((nw >> (4 * p + 16 * e)) & 15u) | (((hw >> (4 * s + p + 16 * e)) & 1u) << 4));
-          const int r = g + 8 * (p & 1), col = 16 * (4 * G + s) + 2 * t + 8 * (p >> 1) + e;
-          qs[r * DEC_ROW + col] = (int8_t)(c - 16);
-        }
+      for (int p = 0; p < 4; ++p) {  // the pair's two codes are neighbouring columns: one 2-byte store
+        const uint32_t c0 = ((nw >> (4 * p)) & 15u) | (((hw >> (4 * s + p)) & 1u) << 4);
+        const uint32_t c1 = ((nw >> (4 * p + 16)) & 15u) | (((hw >> (4 * s + p + 16)) & 1u) << 4);
+        const int r = g + 8 * (p & 1), col = 16 * (4 * G + s) + 2 * t + 8 * (p >> 1);
+        *reinterpret_cast<uint16_t*>(qs + r * DEC_ROW + col) = (uint16_t)(((c0 - 16) & 0xFFu) | ((c1 - 16) & 0xFFu) << 8);
       }
     }
   }
-  const int64_t grp = (int64_t)tile * (L.steps / 2) + (S >> 1);  // the block's half of a record group
-  const int64_t rec0 = __ldg(L.fx_base + grp);
-  const int nrec = __ldg(L.fx_base + grp + 1) - (int)rec0;
-  const int fr = lane & 15, fpar = lane >> 4;
-  const int row_end = __ldg(L.fx_ends + grp * TILE_ROWS + fr);
-  const int row_start = fr ? __ldg(L.fx_ends + grp * TILE_ROWS + fr - 1) : 0;
   for (int w0 = 0; w0 < nrec; w0 += REC_CAP) {
     const int cnt = min(REC_CAP, nrec - w0);
-    __syncwarp();
-    stage_records(L, rec0 + w0, cnt, rpos, rh, lane);
-    __syncwarp();
+    if (w0) {
+      __syncwarp();  // the previous window is no longer read
+      off = stage_records_async(L, rec0 + w0, cnt, rbuf, lane);
+    }
+    cp_async_wait_all();
+    __syncwarp();  // the records, and the codes of every lane
     int e = max(row_start + fpar, w0);
     e += (e - row_start - fpar) & 1;
     const int e_end = min(row_end, w0 + cnt);
     const int hbase = (int)((rec0 + w0) & 1);
+    const uint8_t* rpos = rbuf + off.x;
+    const uint8_t* rh = rbuf + REC_POS_BYTES + off.y;
     for (; e < e_end; e += 2) {
       const int i = e - w0;
       const uint32_t nb = (rh[(i + hbase) >> 1] >> (((i + hbase) & 1) * 4)) & 15u;
@@ -692,7 +757,7 @@ void launch_linear(const Layout& L, const torch::Tensor& x, bool xvec, torch::Te
   const int64_t tiles = (L.n + TILE_ROWS - 1) / TILE_ROWS;
   const LinearConfig c = linear_config<MT>(L.steps / 2, warps, tpc, smem_max);
   const int64_t smem = linear_smem<MT>(c.wpt, c.tpc);
-  auto kernel = linear_kernel<MT, T>;
+  auto kernel = c.tpc > 1 ? linear_kernel<MT, true, T> : linear_kernel<MT, false, T>;
   set_smem(kernel, smem);
   const dim3 grid((unsigned)((tiles + c.tpc - 1) / c.tpc), (unsigned)((M + 15) / 16));
   kernel<<<grid, c.wpt * c.tpc * 32, smem, stream>>>(L, reinterpret_cast<const T*>(x.data_ptr()), x.stride(0), xvec,
