@@ -165,7 +165,6 @@ struct XStage {
   // One token: the row, then the chunk again in B-fragment order (xperm), so a lane reads 4 k-steps of B with
   // two 16-byte loads.
   static constexpr int BYTES = XT * XSTRIDE * 2 + (MT == 1 ? CHUNK_COLS * 2 : 0);  // a multiple of 16
-  static constexpr int MAX_WARPS = MT > 8 ? 8 : 16;  // the most warps per tile by default (shared memory)
   // Blocks of the plane in flight to shared memory per warp (cp.async): the one computed and the next
   // NSTAGE - 1.
   static constexpr int NSTAGE = MT == 1 ? 3 : 2;
