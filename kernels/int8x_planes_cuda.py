@@ -15,7 +15,7 @@ import torch
 from vllm_parity.serving.cuda_build import LazyExtension, available  # noqa: F401  (available: re-exported)
 from vllm_parity.serving.int8x_planes import Int8xPlanes, check
 
-__all__ = ["available", "extension", "decode", "linear", "resolve_config"]
+__all__ = ["available", "extension", "decode", "linear", "resolve_config", "default_config", "smem_bytes"]
 
 # Launch bound of the GEMV kernels (csrc/int8x_planes.cu, MAX_THREADS): threads a CTA.
 MAX_THREADS = 512
