@@ -206,9 +206,10 @@ def decode_q(layout: Int8xPlanes) -> torch.Tensor:
     n_pad, k_pad = padded_shape(n, k)
     tiles, steps, chunks = n_pad // TILE_ROWS, k_pad // STEP_COLS, k_pad // CHUNK_COLS
     words = layout.planes.view(tiles, steps, BLOCK_WORDS)
-    if sys.byteorder != "little":  # the bytes of a word, as a byte view orders them
-        raise NotImplementedError("int8x planes: decode_q reads the words' bytes in little-endian order")
-    b = words[..., :NIBBLE_WORDS].contiguous().view(torch.uint8).view(tiles, steps, 4, 8, 4, 4, 2, 2)
+    b = words[..., :NIBBLE_WORDS].contiguous().view(torch.uint8).view(tiles, steps, 4, 8, 4, 4, 4)
+    if sys.byteorder == "big":  # a byte view lists a word's bytes most significant first there
+        b = b.flip(-1)
+    b = b.reshape(tiles, steps, 4, 8, 4, 4, 2, 2)  # byte 2 e + p1 of the word
     nib = torch.stack((b & 15, b >> 4), dim=-1)  # tile, step, G, g, t, s, e, p1, p0
     bits = torch.arange(32, dtype=torch.int32, device=words.device)
     hib = ((words[..., NIBBLE_WORDS:].reshape(-1, 1) >> bits) & 1).to(torch.uint8)
@@ -299,7 +300,6 @@ def int8x_planes_linear(x: torch.Tensor, planes: torch.Tensor, fx_pos: torch.Ten
     if x.shape[-1] != n_cols:
         raise ValueError(f"int8x_planes_linear: x has {x.shape[-1]} input features, the weight ({n_rows}, {n_cols})")
     layout = Int8xPlanes(planes, fx_pos, fx_h, fx_base, fx_ends, scale, n_rows, n_cols)
-    check(layout.tensors, n_rows, n_cols)
     backend = choose.int8x_planes_op_backend(backend, x.device)
     x2 = x.reshape(-1, n_cols)
     kernel = choose.int8x_planes_kernel(backend, x2.shape[0])
@@ -311,7 +311,8 @@ def int8x_planes_linear(x: torch.Tensor, planes: torch.Tensor, fx_pos: torch.Ten
         from vllm_parity.serving import int8x_planes_cuda
 
         y = torch.nn.functional.linear(x2, int8x_planes_cuda.decode(layout, x.dtype))
-    else:
+    else:  # (the CUDA kernels' wrappers check the layout themselves, once)
+        check(layout.tensors, n_rows, n_cols)
         y = torch_linear(x2, layout)
     return y.reshape(*x.shape[:-1], n_rows)
 

@@ -366,12 +366,13 @@ __device__ __forceinline__ void block_mma(float (&acc)[2][4], const uint4 (&nib)
   }
 }
 
-// The chunk's fixup records of the lane's row (lane % 16) and parity (lane / 16): h * x[token][column] summed
-// into fx. Window 0 (the first REC_CAP records) was put in flight at the chunk's start, two block groups after
-// it; more windows (a chunk with more than REC_CAP records) are staged here.
-template <int MT, typename T>
-__device__ __forceinline__ void apply_fixups(const Layout& L, float (&fx)[MT], const T* xs, uint8_t* rbuf,
-                                             int64_t rec0, int nrec, int row_start, int row_end, int2 off, int lane) {
+// The records of the lane's row (lane % 16) and parity (lane / 16) among records [rec0, rec0 + nrec) of a group,
+// each passed to f(column in the group, 4-bit code). Window 0 (the first REC_CAP records) was put in flight
+// before, NEWER cp.async groups ahead of the newest; more windows (a group with more than REC_CAP records) are
+// staged here. Shared by the GEMV and the decode.
+template <int NEWER, typename F>
+__device__ __forceinline__ void for_lane_records(const Layout& L, uint8_t* rbuf, int64_t rec0, int nrec,
+                                                 int row_start, int row_end, int2 off, int lane, F&& f) {
   const int fpar = lane >> 4;
   for (int w0 = 0; w0 < nrec; w0 += REC_CAP) {
     const int cnt = min(REC_CAP, nrec - w0);
@@ -380,9 +381,9 @@ __device__ __forceinline__ void apply_fixups(const Layout& L, float (&fx)[MT], c
       off = stage_records_async(L, rec0 + w0, cnt, rbuf, lane);
       cp_async_wait_all();
     } else {
-      cp_async_wait<2>();
+      cp_async_wait<NEWER>();
     }
-    __syncwarp();
+    __syncwarp();  // the records of every lane (and what the lanes wrote before)
     int e = max(row_start + fpar, w0);
     e += (e - row_start - fpar) & 1;  // keep the lane's parity
     const int e_end = min(row_end, w0 + cnt);
@@ -392,12 +393,21 @@ __device__ __forceinline__ void apply_fixups(const Layout& L, float (&fx)[MT], c
     for (; e < e_end; e += 2) {
       const int i = e - w0;
       const uint32_t nb = (rh[(i + hbase) >> 1] >> (((i + hbase) & 1) * 4)) & 15u;
-      const float h = (float)fixup_h(nb & 7u);
-      const T* xc = xs + ((int)rpos[i] | (int)(nb >> 3) << 8);
-#pragma unroll
-      for (int m = 0; m < MT; ++m) fx[m] = fmaf(h, to_f(xc[m * XSTRIDE]), fx[m]);
+      f((int)rpos[i] | (int)(nb >> 3) << 8, nb);
     }
   }
+}
+
+// The chunk's fixups: h * x[token][column] summed into fx (records in flight two block groups before).
+template <int MT, typename T>
+__device__ __forceinline__ void apply_fixups(const Layout& L, float (&fx)[MT], const T* xs, uint8_t* rbuf,
+                                             int64_t rec0, int nrec, int row_start, int row_end, int2 off, int lane) {
+  for_lane_records<2>(L, rbuf, rec0, nrec, row_start, row_end, off, lane, [&](int col, uint32_t nb) {
+    const float h = (float)fixup_h(nb & 7u);
+    const T* xc = xs + col;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) fx[m] = fmaf(h, to_f(xc[m * XSTRIDE]), fx[m]);
+  });
 }
 
 // Launch bound: up to 512 threads a CTA (ptxas: no spills, ~110 registers at one token).
@@ -591,7 +601,7 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) decode_kernel(Layout L, O* __r
   const int g = lane >> 2, t = lane & 3;
   // The block's half of a record group: its records in flight (cp.async) while the plane is decoded.
   const int64_t grp = (int64_t)tile * (L.steps / 2) + (S >> 1);
-  const int fr = lane & 15, fpar = lane >> 4;
+  const int fr = lane & 15;
   const uint4* b = L.planes + (int64_t)blk * BLOCK_VEC;
   uint4 nv[4];
 #pragma unroll
@@ -617,28 +627,11 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) decode_kernel(Layout L, O* __r
       }
     }
   }
-  for (int w0 = 0; w0 < nrec; w0 += REC_CAP) {
-    const int cnt = min(REC_CAP, nrec - w0);
-    if (w0) {
-      __syncwarp();  // the previous window is no longer read
-      off = stage_records_async(L, rec0 + w0, cnt, rbuf, lane);
-    }
-    cp_async_wait_all();
-    __syncwarp();  // the records, and the codes of every lane
-    int e = max(row_start + fpar, w0);
-    e += (e - row_start - fpar) & 1;
-    const int e_end = min(row_end, w0 + cnt);
-    const int hbase = (int)((rec0 + w0) & 1);
-    const uint8_t* rpos = rbuf + off.x;
-    const uint8_t* rh = rbuf + REC_POS_BYTES + off.y;
-    for (; e < e_end; e += 2) {
-      const int i = e - w0;
-      const uint32_t nb = (rh[(i + hbase) >> 1] >> (((i + hbase) & 1) * 4)) & 15u;
-      if ((int)(nb >> 3) != (S & 1)) continue;  // the other block of the group
-      int8_t* q = qs + fr * DEC_ROW + rpos[i];
-      *q = (int8_t)(*q + 32 * fixup_h(nb & 7u));
-    }
-  }
+  for_lane_records<0>(L, rbuf, rec0, nrec, row_start, row_end, off, lane, [&](int col, uint32_t nb) {
+    if ((col >> 8) != (S & 1)) return;  // the other block of the group
+    int8_t* q = qs + fr * DEC_ROW + (col & 255);
+    *q = (int8_t)(*q + 32 * fixup_h(nb & 7u));
+  });
   __syncwarp();
   // Write: lane covers 8 columns of a row, 32 lanes a row of 256.
   const float sc = __ldg(scale);
