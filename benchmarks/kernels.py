@@ -114,7 +114,7 @@ def bench_shape(k: int, n: int, ms: list[int], kernels: list[str], copy_gbps: fl
         for kernel in kernels:
             if kernel == "cuda_naive" and m > 2:
                 continue
-            if kernel in ("triton_gemv", "cuda_vec") and m > 16 or kernel == "cuda_mma" and m > 64:
+            if kernel in ("triton_gemv", "cuda_vec") and m > 16 or kernel in ("cuda_mma", "cuda_mma_rows") and m > 64:
                 continue
             if kernel == "cuda_dequant" and (m < 16 or spec.activation_quant):
                 continue
@@ -130,11 +130,11 @@ def bench_shape(k: int, n: int, ms: list[int], kernels: list[str], copy_gbps: fl
                                  error=f"{type(exc).__name__}: {exc}"[:500]))
                 print(f"  {kernel} K={k} N={n} M={m}: FAILED {exc}", file=sys.stderr)
                 continue
-            chosen = choose.ternary_kernel("auto", m, dtype, base.group_size, True, base.act_quant)
+            chosen = choose.ternary_kernel("auto", m, dtype, base.group_size, base.act_quant)
             if kernel in ("tiles_linear", "cuda_dequant_tiles"):
                 chosen = choose.ternary_tiles_kernel(m, dtype, base.group_size)
             nat_bytes = tile_bytes if (chosen if kernel in ("ternary", "tiles_linear") else kernel) in (
-                "cuda_mma", "cuda_dequant_tiles") else row_bytes
+                "cuda_mma", "cuda_dequant_tiles") else row_bytes  # cuda_mma_rows: the row layout
             gbps = (nat_bytes + io_bytes) / us / 1e3
             rows.append(dict(kernel=kernel, K=k, N=n, M=m, dtype=str(dtype).replace("torch.", ""),
                              preset=spec_name, median_us=round(us, 3), gbps=round(gbps, 1),
@@ -157,6 +157,12 @@ def repack_copy(native):
 def _kernel_fn(kernel: str, x: torch.Tensor, next_native):
     if kernel == "ternary":  # the public entry point with its default choice of kernel (backend auto)
         return lambda: ternary_ops.ternary_linear(x, next_native())
+    if kernel == "cuda_mma_rows":  # the tensor-core kernel on the row layout (the C++ op, its own choice of launch)
+        def rows_run():
+            nat = next_native()
+            return ternary_cuda_ops().mma_rows(x, nat.qweight, nat.scale, None, nat.n, nat.k, nat.group_size,
+                                               nat.act_quant)
+        return rows_run
     if kernel in ("tiles_linear", "cuda_dequant_tiles"):
         # The vLLM method's one resident copy: every M from the tiles alone (its choice, or one of its kernels).
         which = None if kernel == "tiles_linear" else kernel
@@ -221,8 +227,12 @@ def eager_rows(copy_gbps: float) -> list[dict]:
             nat = next_native()
             return ternary_ops.tiles_linear(x, nat.tiles, nat.scale, None, nat.n, nat.k, nat.group_size,
                                             nat.act_quant)
+        def rows_direct():
+            nat = next_native()
+            return mma_rows(x, nat.qweight, nat.scale, None, nat.n, nat.k, nat.group_size, nat.act_quant)
+        mma_rows = ternary_cuda_ops().mma_rows
         fns = [("ternary", lambda: ternary_ops.ternary_linear(x, next_native())), ("parity_ternary.mma", direct),
-               ("tiles_linear", tiles), ("python_op", python_op)]
+               ("parity_ternary.mma_rows", rows_direct), ("tiles_linear", tiles), ("python_op", python_op)]
         for name, fn in fns:
             us = eager_us(fn)
             rows.append(dict(kernel=name, mode="eager", K=k, N=n, M=1, dtype="float16", preset="seed-article",
@@ -326,14 +336,15 @@ def mma_candidates(m: int, n: int, k: int) -> list[dict]:
     return cands
 
 
-def sweep_mma(copy_gbps: float) -> list[dict]:
+def sweep_mma(copy_gbps: float, rows: bool = False) -> list[dict]:
     """Blocks, pipelines and launch modes of the tensor-core kernel at the target shapes and three
-    smaller ones (small M)."""
+    smaller ones (small M); ``rows``: on the row layout, at the target shapes."""
     from vllm_parity.serving import ternary_cuda
 
     out = []
-    for (k, n), ms in [((4096, 14336), (1, 4, 8, 16)), ((14336, 4096), (1, 4, 8, 16)),
-                       ((11008, 4096), (1, 4, 8)), ((5632, 2048), (1, 4, 8)), ((2048, 5632), (1, 4, 8))]:
+    shapes = [((4096, 14336), (1, 4, 8, 16)), ((14336, 4096), (1, 4, 8, 16)),
+              ((11008, 4096), (1, 4, 8)), ((5632, 2048), (1, 4, 8)), ((2048, 5632), (1, 4, 8))]
+    for (k, n), ms in shapes[:2] if rows else shapes:
         base = ternary_weights(k, n, PRESETS["seed-article"], seed=1)
         natives, next_native = rotating(lambda: repack_copy(base), base.nbytes)
         for m in ms:
@@ -342,10 +353,10 @@ def sweep_mma(copy_gbps: float) -> list[dict]:
             for cfg in mma_candidates(m, n, k):
                 def fn(cfg=cfg):
                     nat = next_native()
-                    return ternary_cuda.linear_mma(x, nat.tiles, nat.scale, None, nat.n, nat.k, nat.group_size,
-                                                   nat.act_quant, config=cfg)
+                    return ternary_cuda.linear_mma(x, nat.qweight if rows else nat.tiles, nat.scale, None, nat.n,
+                                                   nat.k, nat.group_size, nat.act_quant, config=cfg, rows=rows)
                 cands.append((cfg, fn))
-            out += time_candidates("cuda_mma", k, n, m, cands, len(natives),
+            out += time_candidates("cuda_mma_rows" if rows else "cuda_mma", k, n, m, cands, len(natives),
                                    default=ternary_cuda.mma_config(m, n, k))
         del natives
     return out
@@ -612,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "kernels_h200.json"))
     ap.add_argument("--quick", action="store_true", help="target shapes and M in {1, 16, 512} only")
     ap.add_argument("--sweep", action="store_true", help="also sweep the tensor-core kernel's blocks at the targets")
+    ap.add_argument("--rows-sweep", action="store_true",
+                    help="also sweep the tensor-core kernel on the row layout at the target shapes")
+    ap.add_argument("--no-bitnet", action="store_true", help="skip the BitNet layout's rows")
     ap.add_argument("--sweep-triton", action="store_true", help="also sweep Triton block sizes at the targets")
     ap.add_argument("--floor", action="store_true", help="also time near-empty calls in the same harness")
     ap.add_argument("--only-int8x", action="store_true", help="INT8-X rows only")
@@ -643,7 +657,8 @@ def main(argv: list[str] | None = None) -> int:
             t = time.time()
             ternary_cuda.extension()
             print(f"CUDA extension ready in {time.time() - t:.0f} s", flush=True)
-            kernels += ["cuda_mma", "tiles_linear", "cuda_dequant_tiles", "cuda_dequant", "cuda_vec", "cuda_naive"]
+            kernels += ["cuda_mma", "cuda_mma_rows", "tiles_linear", "cuda_dequant_tiles", "cuda_dequant", "cuda_vec",
+                        "cuda_naive"]
     shapes = [(4096, 14336), (14336, 4096)] if args.quick else SHAPES
     ms = [int(v) for v in args.ms.split(",")] if args.ms else [1, 16, 512] if args.quick else MS
     result = dict(header=header, rows=[], sweep=[], int8x=[], floor=[], eager=[])
@@ -666,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
         result["sweep"] += sweep(copy_gbps)
     if args.sweep and "cuda_mma" in kernels:
         result["sweep"] += sweep_mma(copy_gbps)
+    if args.rows_sweep and "cuda_mma" in kernels:
+        result["sweep"] += sweep_mma(copy_gbps, rows=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     out_path = Path(args.out)
@@ -676,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"] += bench_shape(k, n, ms, kernels, copy_gbps, "seed-article")
         out_path.write_text(json.dumps(result, indent=1))  # partial results survive a time limit
     # The BitNet layout (activation quantization, divide, tensor scale) at the two target shapes.
-    for k, n in [] if args.only_int8x else [(4096, 14336), (14336, 4096)]:
+    for k, n in [] if args.only_int8x or args.no_bitnet else [(4096, 14336), (14336, 4096)]:
         result["rows"] += bench_shape(k, n, [1, 16, 128, 512], ["ternary", "tiles_linear"], copy_gbps, "hf-bitnet")
         out_path.write_text(json.dumps(result, indent=1))
     if not args.no_int8x and Path("kernels/int8x_ops.py").exists() and Path("kernels/int8x_triton.py").exists():

@@ -17,16 +17,17 @@ ternary (kernels/ternary_ops.py; the op ``vllm_parity::ternary_linear`` runs the
       ``torch``          backend ``torch``
       ``triton_gemv``    backend ``triton``, M <= TRITON_GEMV_MAX_M; else ``triton_mm``
       on backend ``cuda``, or ``auto`` where the CUDA kernels build (``ternary_cuda.available()``):
-      ``cuda_mma``       M <= MMA_MAX_M, fp16 / bf16, the tiled weight, group size a multiple of 128
-                         (:func:`ternary_mma_eligible`; 0 = no groups)
+      ``cuda_mma``       M <= MMA_MAX_M, fp16 / bf16, group size a multiple of 128 (:func:`ternary_mma_eligible`;
+                         0 = no groups); on the tiled weight where there is one, else on the row layout
       ``cuda_dequant``   M >= DEQUANT_MIN_M, fp16 / bf16, no activation quantization
       ``cuda_vec``       any other case of backend ``cuda``; of ``auto``, M <= AUTO_CUDA_VEC_MAX_M only
       ``auto`` otherwise: the ``triton`` choice for M. ``cuda_naive`` is never chosen (tests and benchmarks
       name it).
     resident copies (the vLLM method), :func:`ternary_resident`: ``PARITY_TERNARY_RESIDENT``
-    (:data:`ENV_TERNARY_RESIDENT`) = ``one`` keeps only the tiled layout (:func:`ternary_tiles_only`: backend
-    ``cuda`` / ``auto`` builds the CUDA kernels and the layer's dtype and group size suit ``cuda_mma``); ``two``
-    (default) the row layout and the tiles, as before; from the tiles alone,
+    (:data:`ENV_TERNARY_RESIDENT`) = ``rows`` keeps only the row layout (every kernel above reads it); ``tiles``
+    only the tiled layout (:func:`ternary_tiles_only`: backend ``cuda`` / ``auto`` builds the CUDA kernels and the
+    layer's dtype and group size suit ``cuda_mma``); ``two`` (default) the row layout and the tiles; from the tiles
+    alone,
     :func:`ternary_tiles_kernel` (:data:`TERNARY_TILES_KERNELS`): ``cuda_mma`` for M <= MMA_MAX_M, else
     ``cuda_dequant_tiles`` (dense weight from the tiles, torch's GEMM).
 
@@ -93,13 +94,14 @@ def ternary_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
-def ternary_mma_eligible(dtype: torch.dtype | None, group_size: int, tiled: bool) -> bool:
-    """Whether the tensor-core kernel ``cuda_mma`` takes the case, whatever M."""
-    return tiled and dtype in HALF_DTYPES and group_size % 128 == 0
+def ternary_mma_eligible(dtype: torch.dtype | None, group_size: int) -> bool:
+    """Whether the tensor-core kernel ``cuda_mma`` takes the case, whatever M (on the tiles, or on the row layout
+    where a weight has no tiles)."""
+    return dtype in HALF_DTYPES and group_size % 128 == 0
 
 
 def ternary_kernel(backend: str, m: int, dtype: torch.dtype | None = None, group_size: int = 0,
-                   tiled: bool = False, act_quant: bool = False) -> str:
+                   act_quant: bool = False) -> str:
     """The kernel a backend runs for ``m`` rows: a Python decision on shapes, dtypes and flags only."""
     if backend == "torch":
         return "torch"
@@ -109,7 +111,7 @@ def ternary_kernel(backend: str, m: int, dtype: torch.dtype | None = None, group
 
     cuda = backend == "cuda" or ternary_cuda.available()
     half = dtype in HALF_DTYPES
-    if cuda and m <= MMA_MAX_M and ternary_mma_eligible(dtype, group_size, tiled):
+    if cuda and m <= MMA_MAX_M and ternary_mma_eligible(dtype, group_size):
         return "cuda_mma"
     if cuda and m >= DEQUANT_MIN_M and half and not act_quant:
         return "cuda_dequant"
@@ -119,24 +121,26 @@ def ternary_kernel(backend: str, m: int, dtype: torch.dtype | None = None, group
 
 
 ENV_TERNARY_RESIDENT = "PARITY_TERNARY_RESIDENT"
-TERNARY_RESIDENT = ("one", "two")
-# What the vLLM method keeps when PARITY_TERNARY_RESIDENT is unset. "two" (row layout + tiles): from the tiles
-# alone, 65 <= M <= ~200 runs 1.25-1.4x slower on the H200 than triton_mm on the row layout (M >= 384 runs 7-10 %
-# faster, M <= 64 the same), so by the no-regression rule one copy is opt-in (benchmarks/NOTES.md).
+TERNARY_RESIDENT = ("two", "rows", "tiles")
+# What the vLLM method keeps when PARITY_TERNARY_RESIDENT is unset. "two" (row layout + tiles). One copy costs
+# time on the H200 (benchmarks/NOTES.md): from the tiles alone 65 <= M <= ~200 runs 1.25-1.4x slower than
+# triton_mm on the row layout; from the rows alone cuda_mma runs 1-4 % slower at M = 1 and 7-33 % at M = 4..64.
+# By the no-regression rule one copy is opt-in.
 TERNARY_RESIDENT_DEFAULT = "two"
 
 
 def ternary_resident(backend: str, dtype: torch.dtype | None, group_size: int) -> str:
-    """The ternary weight copies the vLLM method keeps: ``tiles`` (only the tiled layout, 2 bits a weight:
-    :func:`ternary_tiles_only` and ``PARITY_TERNARY_RESIDENT`` = ``one``), ``rows+tiles`` (the row layout and the
-    tiled copy, 4 bits a weight: backend ``cuda`` / ``auto`` otherwise; the default, TERNARY_RESIDENT_DEFAULT) or
-    ``rows`` (other backends)."""
+    """The ternary weight copies the vLLM method keeps: ``rows`` (the row layout alone, 2 bits a weight: other
+    backends than ``cuda`` / ``auto``, or ``PARITY_TERNARY_RESIDENT`` = ``rows``), ``tiles`` (only the tiled layout,
+    2 bits a weight: :func:`ternary_tiles_only` and ``PARITY_TERNARY_RESIDENT`` = ``tiles``) or ``rows+tiles``
+    (the row layout and the tiled copy, 4 bits a weight: backend ``cuda`` / ``auto`` otherwise; the default,
+    TERNARY_RESIDENT_DEFAULT)."""
     choice = os.environ.get(ENV_TERNARY_RESIDENT) or TERNARY_RESIDENT_DEFAULT
     if choice not in TERNARY_RESIDENT:
         raise ValueError(f"{ENV_TERNARY_RESIDENT} = {choice!r}, expected one of {TERNARY_RESIDENT}")
-    if backend not in ("cuda", "auto"):
+    if backend not in ("cuda", "auto") or choice == "rows":
         return "rows"
-    return "tiles" if choice == "one" and ternary_tiles_only(backend, dtype, group_size) else "rows+tiles"
+    return "tiles" if choice == "tiles" and ternary_tiles_only(backend, dtype, group_size) else "rows+tiles"
 
 
 def ternary_tiles_only(backend: str, dtype: torch.dtype | None, group_size: int) -> bool:
@@ -144,7 +148,7 @@ def ternary_tiles_only(backend: str, dtype: torch.dtype | None, group_size: int)
     weight): backend ``cuda`` or ``auto`` where the CUDA kernels build, activations (the layer's dtype) fp16 /
     bf16 and group scales a multiple of 128, i.e. where the tensor-core kernel serves small M; every row count
     is then served from the tiles (:func:`ternary_tiles_kernel`). Otherwise the row layout alone."""
-    if backend not in ("cuda", "auto") or not ternary_mma_eligible(dtype, group_size, True):
+    if backend not in ("cuda", "auto") or not ternary_mma_eligible(dtype, group_size):
         return False
     from vllm_parity.serving import ternary_cuda
 
@@ -155,7 +159,7 @@ def ternary_tiles_kernel(m: int, dtype: torch.dtype | None, group_size: int) -> 
     """The kernel for ``m`` rows from the tiled copy alone (``ternary_ops.tiles_linear``): ``cuda_mma`` for
     M <= MMA_MAX_M where eligible, else ``cuda_dequant_tiles`` (the dense weight decoded from the tiles, then
     torch's GEMM; any dtype)."""
-    if m <= MMA_MAX_M and ternary_mma_eligible(dtype, group_size, True):
+    if m <= MMA_MAX_M and ternary_mma_eligible(dtype, group_size):
         return "cuda_mma"
     return "cuda_dequant_tiles"
 

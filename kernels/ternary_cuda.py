@@ -30,6 +30,8 @@ def ops():
 
     - ``mma(x, tiles, scale, bias, n, k, group_size, act_quant)``: the tensor-core kernel, x fp16 / bf16
       ``(..., K)`` (any strides), output ``(..., N)``.
+    - ``mma_rows(x, qweight, scale, bias, n, k, group_size, act_quant)``: the same kernel reading the row layout
+      (``NativeTernary.qweight``) instead of the tiles.
     - ``dequant_tiles(tiles, scale, n, k, group_size, dtype)``: the dense ``(N, K)`` weight (scale folded
       in) from the tiled layout.
     """
@@ -48,14 +50,19 @@ def _register_fakes() -> None:
     def _mma_fake(x, tiles, scale, bias, n, k, group_size, act_quant):
         return x.new_empty((*x.shape[:-1], n))
 
+    @torch.library.register_fake("parity_ternary::mma_rows")
+    def _mma_rows_fake(x, qweight, scale, bias, n, k, group_size, act_quant):
+        return x.new_empty((*x.shape[:-1], n))
+
     @torch.library.register_fake("parity_ternary::dequant_tiles")
     def _dequant_tiles_fake(tiles, scale, n, k, group_size, dtype):
         return tiles.new_empty((n, k), dtype=dtype)
 
 
-def mma_cpp_config(m: int, n: int, k: int, group_size: int) -> dict:
-    """The configuration the C++ op ``parity_ternary.mma`` launches for this shape (for tests)."""
-    tn, mb, warps, loads, pdl = extension().mma_auto_config(m, n, k, group_size)
+def mma_cpp_config(m: int, n: int, k: int, group_size: int, rows: bool = False) -> dict:
+    """The configuration the C++ op ``parity_ternary.mma`` (``mma_rows`` with ``rows``) launches for this shape
+    (for tests)."""
+    tn, mb, warps, loads, pdl = extension().mma_auto_config(m, n, k, group_size, rows)
     return {"tn": tn, "mb": mb, "warps": warps, "loads": loads, "pdl": bool(pdl)}
 
 
@@ -77,7 +84,7 @@ def ternary_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, 
     return extension().ternary_linear(x, qweight, scale, bias, k, group_size, act_quant, kernel == "vec")
 
 
-def mma_config(m: int, n: int, k: int) -> dict:
+def mma_config(m: int, n: int, k: int, rows: bool = False) -> dict:
     """Row tiles per block, token fragments, warps, loads in flight and launch of the tensor-core kernel.
 
     ``pdl`` makes it a programmatic dependent launch: it starts, and reads its first weights, during the
@@ -87,7 +94,9 @@ def mma_config(m: int, n: int, k: int) -> dict:
     least 1.2 blocks per multiprocessor (0.9 above 4 tokens: each tile more shares the loads of x), and
     8 loads in flight where the grid has no more blocks than multiprocessors (registers then do not
     limit residency); 9-16 tokens, about four 128-input chunks per warp and a block per multiprocessor;
-    above, 4 tiles and up to 8 warps per block.
+    above, 4 tiles and up to 8 warps per block. On the row layout (``rows``) up to 8 tokens: as many tiles as
+    leave 0.9 blocks per multiprocessor, a warp for every two 256-input chunks (up to 16), 4 loads in flight
+    (the H200 sweep of the row layout in benchmarks/NOTES.md).
     """
     sms = _num_sms()
     nt, kc = -(-n // 16), -(-k // 128)
@@ -99,6 +108,8 @@ def mma_config(m: int, n: int, k: int) -> dict:
         return tn
 
     launch = {"loads": 4, "pdl": _pdl_supported() and os.environ.get(ENV_PDL, "1") != "0"}
+    if m <= 8 and rows:
+        return {"tn": tiles(0.9 * sms), "mb": 1, "warps": max(1, min(16, -(-k // 256) // 2)), **launch}
     if m <= 8:
         tn = tiles((1.2 if m <= 4 else 0.9) * sms)
         loads = 8 if -(-nt // tn) <= sms else 4
@@ -131,37 +142,40 @@ def _fit_instance(cfg: dict, group_size: int) -> dict:
     return cfg
 
 
-def _check_mma_args(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, n: int, k: int,
-                    group_size: int) -> None:
+def _check_mma_args(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, n: int, k: int, group_size: int,
+                    rows: bool = False) -> None:
     """The extension's preconditions as Python errors of the usual types, naming the argument (the device
-    last, so that everything else is checked wherever the tensors live)."""
+    last, so that everything else is checked wherever the tensors live); ``w`` the tiles, or the row layout
+    (``rows``)."""
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"ternary mma kernel: x must be fp16 or bf16, got {x.dtype}")
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"ternary mma kernel: x must be (M, K={k}), got {tuple(x.shape)}")
-    want = (-(-n // 16), -(-k // 128), 32, 4)
-    if tiles.dtype != torch.int32 or tuple(tiles.shape) != want or not tiles.is_contiguous():
-        raise ValueError(f"ternary mma kernel: tiles must be contiguous int32 {want} for N={n} K={k}, got "
-                         f"{tiles.dtype} {tuple(tiles.shape)}")
+    what, want = ("qweight", (n, -(-k // 16))) if rows else ("tiles", (-(-n // 16), -(-k // 128), 32, 4))
+    if w.dtype != torch.int32 or tuple(w.shape) != want or not w.is_contiguous():
+        raise ValueError(f"ternary mma kernel: {what} must be contiguous int32 {want} for N={n} K={k}, got "
+                         f"{w.dtype} {tuple(w.shape)}")
     if scale.dtype != torch.float32 or scale.dim() != 2 or scale.shape[0] != n or not scale.is_contiguous():
         raise ValueError(f"ternary mma kernel: scale must be contiguous fp32 (N={n}, G), got {scale.dtype} "
                          f"{tuple(scale.shape)}")
     if group_size % 128:
         raise ValueError(f"ternary mma kernel: group size {group_size} is not a multiple of 128")
-    if x.device.type != "cuda" or tiles.device != x.device or scale.device != x.device:
-        raise ValueError(f"ternary mma kernel: x, tiles and scale must be on one CUDA device, got {x.device}, "
-                         f"{tiles.device}, {scale.device}")
+    if x.device.type != "cuda" or w.device != x.device or scale.device != x.device:
+        raise ValueError(f"ternary mma kernel: x, {what} and scale must be on one CUDA device, got {x.device}, "
+                         f"{w.device}, {scale.device}")
 
 
 def linear_mma(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
-               group_size: int, act_quant: bool, config: dict | None = None) -> torch.Tensor:
-    """``y = x @ W^T (+ bias)`` on the tiled layout with tensor cores; x fp16 or bf16 (M, K)."""
-    _check_mma_args(x, tiles, scale, n, k, group_size)
+               group_size: int, act_quant: bool, config: dict | None = None, rows: bool = False) -> torch.Tensor:
+    """``y = x @ W^T (+ bias)`` on the tiled layout with tensor cores, or on the row layout (``rows``: ``tiles`` is
+    then ``NativeTernary.qweight``); x fp16 or bf16 (M, K)."""
+    _check_mma_args(x, tiles, scale, n, k, group_size, rows)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    cfg = _fit_instance(dict(mma_config(x.shape[0], n, k), **(config or {})), group_size)
-    return extension().ternary_linear_mma(x, tiles, scale, bias, n, k, group_size, act_quant, cfg["tn"], cfg["mb"],
-                                          cfg["warps"], cfg["loads"], bool(cfg["pdl"]))
+    cfg = _fit_instance(dict(mma_config(x.shape[0], n, k, rows), **(config or {})), group_size)
+    launch = extension().ternary_linear_mma_rows if rows else extension().ternary_linear_mma
+    return launch(x, tiles, scale, bias, n, k, group_size, act_quant, cfg["tn"], cfg["mb"], cfg["warps"],
+                  cfg["loads"], bool(cfg["pdl"]))
 
 
 def dequant(qweight: torch.Tensor, scale: torch.Tensor, k: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:

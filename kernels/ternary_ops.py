@@ -17,7 +17,7 @@ weight once, then torch's GEMM: large M), ``cuda_vec`` (CUDA cores, any dtype), 
 ``cuda_mma`` in eager mode skips the Python op: :func:`ternary_linear` calls the C++ op
 ``torch.ops.parity_ternary.mma`` (``csrc/ternary.cu``, ``TORCH_LIBRARY``; its configuration chosen in C++).
 :func:`tiles_linear` serves every M from the tiled copy alone (the vLLM method's single resident copy under
-``PARITY_TERNARY_RESIDENT=one``): that op up to MMA_MAX_M rows, else ``parity_ternary.dequant_tiles`` and
+``PARITY_TERNARY_RESIDENT=tiles``): that op up to MMA_MAX_M rows, else ``parity_ternary.dequant_tiles`` and
 torch's GEMM.
 """
 
@@ -109,7 +109,7 @@ def ternary_linear_op(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
                       tiles: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x @ W^T (+ bias)`` for a 2-D ``x`` (M, K) and a native ternary weight (see ternary_repack).
 
-    ``tiles`` is the tiled copy of the weight, needed by ``cuda_mma`` only.
+    ``tiles`` is the tiled copy of the weight, which ``cuda_mma`` reads where it is given (else the row layout).
     """
     if kernel == "torch":
         return _torch_impl(x, qweight, scale, bias, k, group_size, act_quant)
@@ -125,7 +125,8 @@ def ternary_linear_op(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
         from vllm_parity.serving import ternary_cuda
 
         if tiles is None:
-            raise ValueError("ternary kernel 'cuda_mma' needs the tiled weight (NativeTernary.with_tiles())")
+            return ternary_cuda.linear_mma(x, qweight, scale, bias, qweight.shape[0], k, group_size, act_quant,
+                                           rows=True)
         return ternary_cuda.linear_mma(x, tiles, scale, bias, qweight.shape[0], k, group_size, act_quant)
     if kernel == "cuda_dequant":
         from vllm_parity.serving import ternary_cuda
@@ -144,21 +145,27 @@ def ternary_linear(x: torch.Tensor, native: NativeTernary, bias: torch.Tensor | 
     """``y = x @ W^T (+ bias)`` for ``x`` of shape ``(..., K)``; returns ``(..., N)`` in x's dtype."""
     if x.shape[-1] != native.k:
         raise ValueError(f"x has {x.shape[-1]} input features, the ternary weight expects {native.k}")
-    if (backend is None and native.tiles is not None and x.is_cuda and not torch.compiler.is_compiling()
+    if (backend is None and x.is_cuda and not torch.compiler.is_compiling()
             and x.numel() <= choose.MMA_MAX_M * native.k and _eager_mma(x.dtype, native.group_size)):
         # Eager and small M: the C++ op (configuration chosen in C++), no Python op wrapper per call; the same
         # decision as choose.ternary_kernel below, made once per (dtype, group size, environment). Compiled
         # callers keep the Python custom op below, which runs the same kernel.
+        if native.tiles is None:  # the row layout alone
+            return _MMA_OP[1](x, native.qweight, native.scale, bias, native.n, native.k, native.group_size,
+                              native.act_quant)
         return _MMA_OP[0](x, native.tiles, native.scale, bias, native.n, native.k, native.group_size,
                           native.act_quant)
     x2 = x.reshape(-1, native.k)
     kernel = choose.ternary_kernel(choose.ternary_backend(backend, x.device), x2.shape[0], x.dtype,
-                                   native.group_size, native.tiles is not None, native.act_quant)
+                                   native.group_size, native.act_quant)
     if kernel == "cuda_mma" and not torch.compiler.is_compiling():
         from vllm_parity.serving import ternary_cuda
 
-        return ternary_cuda.ops().mma(x, native.tiles, native.scale, bias, native.n, native.k, native.group_size,
-                                      native.act_quant)
+        ops = ternary_cuda.ops()
+        if native.tiles is None:
+            return ops.mma_rows(x, native.qweight, native.scale, bias, native.n, native.k, native.group_size,
+                                native.act_quant)
+        return ops.mma(x, native.tiles, native.scale, bias, native.n, native.k, native.group_size, native.act_quant)
     y = torch.ops.vllm_parity.ternary_linear(x2, native.qweight, native.scale, bias, native.k,
                                              native.group_size, native.act_quant, kernel, native.tiles)
     return y.reshape(*x.shape[:-1], native.n)
@@ -169,7 +176,7 @@ _MMA_OP: list = []
 
 
 def _eager_mma(dtype: torch.dtype, group_size: int) -> bool:
-    """Whether backend ``None`` (the environment, else ``auto``) runs ``cuda_mma`` for a tiled weight of this dtype
+    """Whether backend ``None`` (the environment, else ``auto``) runs ``cuda_mma`` for a weight of this dtype
     and group size at every M <= MMA_MAX_M on CUDA tensors: choose.ternary_kernel's answer, cached per
     environment value (a bad value is left to the full path, which raises)."""
     env = os.environ.get(choose.ENV_BACKEND)
@@ -178,13 +185,13 @@ def _eager_mma(dtype: torch.dtype, group_size: int) -> bool:
     if ok is None:
         try:
             backend = choose.ternary_backend(None, torch.device("cuda"))
-            ok = choose.ternary_kernel(backend, 1, dtype, group_size, True, False) == "cuda_mma"
+            ok = choose.ternary_kernel(backend, 1, dtype, group_size, False) == "cuda_mma"
         except ValueError:
             ok = False
         if ok and not _MMA_OP:
             from vllm_parity.serving import ternary_cuda
 
-            _MMA_OP.append(ternary_cuda.ops().mma.default)
+            _MMA_OP.extend((ternary_cuda.ops().mma.default, ternary_cuda.ops().mma_rows.default))
         _EAGER_MMA[key] = ok
     return ok
 
@@ -192,7 +199,7 @@ def _eager_mma(dtype: torch.dtype, group_size: int) -> bool:
 def tiles_linear(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
                  group_size: int, act_quant: bool, kernel: str | None = None) -> torch.Tensor:
     """``y = x @ W^T (+ bias)`` for ``x`` ``(..., K)`` from the tiled copy alone (``NativeTernary.tiles``: the one
-    resident copy of the vLLM method under ``PARITY_TERNARY_RESIDENT=one``, 2 bits a weight), by
+    resident copy of the vLLM method under ``PARITY_TERNARY_RESIDENT=tiles``, 2 bits a weight), by
     :func:`choose.ternary_tiles_kernel` (or ``kernel``): ``cuda_mma`` (the C++ tensor-core op) or
     ``cuda_dequant_tiles`` (the dense weight decoded from the tiles, then torch's GEMM). Calls
     ``torch.ops.parity_ternary`` directly: load it first (``ternary_cuda.ops()``), outside compiled code."""

@@ -71,33 +71,31 @@ def test_ternary_kernel_choice_is_by_shape_only():
     assert small in ("triton_gemv", "triton_mm")
     half = torch.float16
     assert choose.ternary_kernel("cuda", 1) == "cuda_vec"
-    assert choose.ternary_kernel("cuda", 1, half, 0, tiled=True) == "cuda_mma"
-    assert choose.ternary_kernel("cuda", 1, half, 0, tiled=False) == "cuda_vec"
-    assert choose.ternary_kernel("cuda", 16, torch.bfloat16, 256, tiled=True) == "cuda_mma"
-    assert choose.ternary_kernel("cuda", 16, half, 64, tiled=True) == "cuda_vec", "group 64 is not mma's"
-    assert choose.ternary_kernel("cuda", 8, torch.float32, 0, tiled=True) == "cuda_vec"
+    assert choose.ternary_kernel("cuda", 1, half, 0) == "cuda_mma", "on the tiles, or the rows where none"
+    assert choose.ternary_kernel("cuda", 16, torch.bfloat16, 256) == "cuda_mma"
+    assert choose.ternary_kernel("cuda", 16, half, 64) == "cuda_vec", "group 64 is not mma's"
+    assert choose.ternary_kernel("cuda", 8, torch.float32, 0) == "cuda_vec"
     assert choose.ternary_kernel("cuda", 4096, half) == "cuda_dequant"
     assert choose.ternary_kernel("cuda", 4096, half, act_quant=True) == "cuda_vec"
     assert choose.ternary_kernel("auto", 4096) == "triton_mm"
     if ternary_cuda.available():
         assert choose.ternary_kernel("auto", 1) == "cuda_vec"
-        assert choose.ternary_kernel("auto", 1, half, 0, tiled=True) == "cuda_mma"
+        assert choose.ternary_kernel("auto", 1, half, 0) == "cuda_mma"
         assert choose.ternary_kernel("auto", 4096, half) == "cuda_dequant"
     else:
-        assert choose.ternary_kernel("auto", 1, half, 0, tiled=True) == small
+        assert choose.ternary_kernel("auto", 1, half, 0) == small
         assert choose.ternary_kernel("auto", 4096, half) == "triton_mm"
 
 
 def test_ternary_mma_eligible():
-    assert choose.ternary_mma_eligible(torch.float16, 0, True)
-    assert choose.ternary_mma_eligible(torch.bfloat16, 256, True)
-    assert not choose.ternary_mma_eligible(torch.float16, 64, True), "group 64 is not mma's"
-    assert not choose.ternary_mma_eligible(torch.float16, 128, False), "mma needs the tiled weight"
-    assert not choose.ternary_mma_eligible(torch.float32, 128, True)
-    assert not choose.ternary_mma_eligible(None, 0, True)
+    assert choose.ternary_mma_eligible(torch.float16, 0)
+    assert choose.ternary_mma_eligible(torch.bfloat16, 256)
+    assert not choose.ternary_mma_eligible(torch.float16, 64), "group 64 is not mma's"
+    assert not choose.ternary_mma_eligible(torch.float32, 128)
+    assert not choose.ternary_mma_eligible(None, 0)
 
 
-def _ternary_eligible(kernel: str, backend: str, m: int, dtype, group: int, tiled: bool, act_quant: bool,
+def _ternary_eligible(kernel: str, backend: str, m: int, dtype, group: int, act_quant: bool,
                       cuda_builds: bool) -> bool:
     """What choose.py's docstring promises for each kernel, written independently of its code."""
     half = dtype in (torch.float16, torch.bfloat16)
@@ -109,7 +107,7 @@ def _ternary_eligible(kernel: str, backend: str, m: int, dtype, group: int, tile
     if kernel == "triton_mm":
         return backend in ("triton", "auto") and m > choose.TRITON_GEMV_MAX_M
     if kernel == "cuda_mma":
-        return cuda and m <= choose.MMA_MAX_M and half and group % 128 == 0 and tiled
+        return cuda and m <= choose.MMA_MAX_M and half and group % 128 == 0
     if kernel == "cuda_dequant":
         return cuda and m >= choose.DEQUANT_MIN_M and half and not act_quant
     if kernel == "cuda_vec":
@@ -138,15 +136,15 @@ def test_ternary_backend_is_listed_or_refused(backend, env, device, interpret):
 
 @PROPERTY
 @given(backend=st.sampled_from(choose.TERNARY_BACKENDS), m=MS, dtype=st.sampled_from(DTYPES),
-       group=st.sampled_from([0, 4, 32, 64, 128, 192, 256, 512]), tiled=st.booleans(), act_quant=st.booleans(),
+       group=st.sampled_from([0, 4, 32, 64, 128, 192, 256, 512]), act_quant=st.booleans(),
        cuda_builds=st.booleans())
-def test_ternary_kernel_is_listed_and_eligible(backend, m, dtype, group, tiled, act_quant, cuda_builds):
+def test_ternary_kernel_is_listed_and_eligible(backend, m, dtype, group, act_quant, cuda_builds):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ternary_cuda, "available", lambda: cuda_builds)
-        kernel = choose.ternary_kernel(backend, m, dtype, group, tiled, act_quant)
+        kernel = choose.ternary_kernel(backend, m, dtype, group, act_quant)
     assert kernel in choose.TERNARY_KERNELS
-    assert _ternary_eligible(kernel, backend, m, dtype, group, tiled, act_quant, cuda_builds), \
-        f"{kernel} chosen for backend={backend} m={m} {dtype} group={group} tiled={tiled} act_quant={act_quant}"
+    assert _ternary_eligible(kernel, backend, m, dtype, group, act_quant, cuda_builds), \
+        f"{kernel} chosen for backend={backend} m={m} {dtype} group={group} act_quant={act_quant}"
 
 
 @PROPERTY
@@ -169,25 +167,26 @@ def test_ternary_one_resident_copy(backend, dtype, group, cuda_builds, m):
 @PROPERTY
 @given(backend=st.sampled_from(choose.TERNARY_BACKENDS), dtype=st.sampled_from(DTYPES),
        group=st.sampled_from([0, 64, 128, 256]), cuda_builds=st.booleans(),
-       env=st.sampled_from([None, "", "one", "two", "both"]))
+       env=st.sampled_from([None, "", "one", "two", "rows", "tiles", "both"]))
 def test_ternary_resident(backend, dtype, group, cuda_builds, env):
-    """One copy (the tiles) by default where the tiles serve every M; two (rows and tiles) when asked for or where
-    cuda_mma does not serve the layer; the row layout alone off CUDA backends; a bad value is refused."""
+    """Two copies (rows and tiles) by default on CUDA backends; the row layout alone when asked for and off CUDA
+    backends; the tiles alone when asked for where they serve every M; a bad value is refused, naming the
+    variable."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ternary_cuda, "available", lambda: cuda_builds)
         if env is None:
             mp.delenv(choose.ENV_TERNARY_RESIDENT, raising=False)
         else:
             mp.setenv(choose.ENV_TERNARY_RESIDENT, env)
-        if env == "both":
+        if env in ("both", "one"):
             with pytest.raises(ValueError, match=choose.ENV_TERNARY_RESIDENT):
                 choose.ternary_resident(backend, dtype, group)
             return
         got = choose.ternary_resident(backend, dtype, group)
         only = choose.ternary_tiles_only(backend, dtype, group)
-    if backend not in ("cuda", "auto"):
+    if backend not in ("cuda", "auto") or env == "rows":
         assert got == "rows"
-    elif only and (env or choose.TERNARY_RESIDENT_DEFAULT) == "one":
+    elif only and (env or choose.TERNARY_RESIDENT_DEFAULT) == "tiles":
         assert got == "tiles"
     else:
         assert got == "rows+tiles"

@@ -57,7 +57,7 @@ def test_fault_of_one_cuda_branch_is_localized_to_its_decode_step(tmp_path, monk
         y = plain(x, native, bias, backend)
         m = x.numel() // x.shape[-1]
         kernel = choose.ternary_kernel(choose.ternary_backend(backend, x.device), m, x.dtype, native.group_size,
-                                       native.tiles is not None, native.act_quant)
+                                       native.act_quant)
         if native is target and kernel == "cuda_mma" and m <= FEW_ROWS:
             y[..., 5] *= 2
         return y

@@ -246,7 +246,7 @@ def eligible(kernel: str, case: dict) -> bool:
     spec = case["spec"]
     if kernel == "cuda_mma":
         group = spec.group_size if spec.scale_granularity == "group" and spec.group_size < case["k"] else 0
-        return choose.ternary_mma_eligible(case["dtype"], group, True)
+        return choose.ternary_mma_eligible(case["dtype"], group)
     if kernel == "cuda_dequant":
         return half and spec.activation_quant is None
     return True
@@ -444,6 +444,11 @@ def test_mma_arguments_are_checked_in_python():
         ternary_cuda.linear_mma(x, tiles, scale.half(), None, n, k, 0, False)
     with pytest.raises(ValueError, match="group size 64 is not a multiple of 128"):
         ternary_cuda.linear_mma(x, tiles, scale, None, n, k, 64, False)
+    qweight = torch.zeros(n, k // 16, dtype=torch.int32)
+    with pytest.raises(ValueError, match="x, qweight and scale must be on one CUDA device, got cpu"):
+        ternary_cuda.linear_mma(x, qweight, scale, None, n, k, 0, False, rows=True)
+    with pytest.raises(ValueError, match=r"qweight must be contiguous int32 \(40, 16\)"):
+        ternary_cuda.linear_mma(x, tiles, scale, None, n, k, 0, False, rows=True)
 
 
 def test_mma_dependent_launch_follows_the_device_and_the_environment(monkeypatch):
@@ -470,6 +475,16 @@ def test_mma_config_small_m_follows_the_h200_sweep(monkeypatch, m, k, n, want):
     shape (benchmarks/results/kernels_h200.json)."""
     monkeypatch.setattr(ternary_cuda, "_num_sms", lambda: 132)
     cfg = ternary_cuda.mma_config(m, n, k)
+    assert (cfg["tn"], cfg["warps"], cfg["loads"]) == want and cfg["mb"] == 1, cfg
+
+
+@pytest.mark.parametrize("m, k, n, want", [(1, 4096, 14336, (4, 8, 4)), (4, 4096, 14336, (4, 8, 4)),
+                                           (1, 14336, 4096, (2, 16, 4)), (4, 14336, 4096, (2, 16, 4))])
+def test_mma_config_on_the_row_layout_follows_the_h200_sweep(monkeypatch, m, k, n, want):
+    """(row tiles, warps, loads) on the row layout up to 8 tokens: the sweep's best at the target shapes
+    (benchmarks/results/ternary_rows_sweep_h200.json)."""
+    monkeypatch.setattr(ternary_cuda, "_num_sms", lambda: 132)
+    cfg = ternary_cuda.mma_config(m, n, k, rows=True)
     assert (cfg["tn"], cfg["warps"], cfg["loads"]) == want and cfg["mb"] == 1, cfg
 
 
@@ -501,49 +516,73 @@ def test_tiles_roundtrip(n, k, seed):
         "tiles built from the row layout in slabs differ from tiles built from the values"
 
 
-def _mma_emulated(tiles: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x @ W^T computed the way the CUDA kernel does, from the PTX ISA's mma.m16n8k16 fragment layout.
+def _mma_emulated(nt: int, kc: int, x: torch.Tensor, word_pair, ck: int = 128) -> torch.Tensor:
+    """x @ W^T computed the way the CUDA kernel does, from the PTX ISA's mma.m16n8k16 fragment layout;
+    ``word_pair(tile, c, lane, step, reg)`` is the weight word and pair of fields the kernel decodes into A register
+    ``reg`` of ``lane`` at ``step`` of chunk ``c`` (``ck`` inputs, lane t's run ck / 4 of them from ck / 4 t).
 
     Lane l = 4 g + t: A registers (row g | g+8, cols 2t.. | 2t+8..), B registers (rows 2t.. | 2t+8..,
     col g), each a pair of consecutive columns / rows, the lower half first.
     """
-    nt, kc = tiles.shape[:2]
     m = x.shape[0]
-    xp = torch.nn.functional.pad(x, (0, kc * 128 - x.shape[1]))
+    xp = torch.nn.functional.pad(x, (0, kc * ck - x.shape[1]))
     y = torch.zeros(m, nt * 16, dtype=torch.float64)
-    words = tiles.to(torch.int64) & 0xFFFFFFFF
     for tile in range(nt):
         for c in range(kc):
-            for step in range(8):
+            for step in range(ck // 16):
                 a = torch.zeros(16, 16, dtype=torch.float64)
                 b = torch.zeros(16, 8, dtype=torch.float64)
                 for lane in range(32):
                     g, t = divmod(lane, 4)
-                    word = int(words[tile, c, lane, step // 2])
                     for reg in range(4):
-                        pair = 4 * (step % 2) + reg
+                        word, pair = word_pair(tile, c, lane, step, reg)
                         row, col = g + 8 * (reg % 2), 2 * t + 8 * (reg // 2)
                         for half in range(2):
                             # the kernel's decode: field on bits 14..15 of the half, read as +-2.0 / 0
                             f = (word >> (2 * pair + 16 * half)) & 3
                             a[row, col + half] = 2.0 * (f & 1) * (1 - (f & 2))
                     if g < m:
-                        base = c * 128 + 32 * t + 4 * step
+                        base = c * ck + ck // 4 * t + 4 * step
                         b[2 * t:2 * t + 2, g] = xp[g, base:base + 2]
                         b[2 * t + 8:2 * t + 10, g] = xp[g, base + 2:base + 4]
                 y[:, tile * 16:tile * 16 + 16] += (a @ b)[:, :m].t()
-    return 0.5 * y
+    return y / 2.0
+
+
+def _tiles_word_pair(tiles: torch.Tensor):
+    words = tiles.to(torch.int64) & 0xFFFFFFFF
+    return lambda tile, c, lane, step, reg: (int(words[tile, c, lane, step // 2]), 4 * (step % 2) + reg)
+
+
+def _rows_word_pair(qweight: torch.Tensor, words_a_lane: int):
+    """The row layout as the kernel reads it: lane (g, t) takes ``words_a_lane`` words (2: ROWS8, 4: ROWS16) of
+    rows 16 tile + g and + 8 from word (4 c + t) words_a_lane; step s word s / 4 of those, pairs 2 (s % 4) (a0, a1)
+    and + 1 (a2, a3); zeros past the rows and words."""
+    words = qweight.to(torch.int64) & 0xFFFFFFFF
+    n, kw = words.shape
+
+    def word_pair(tile, c, lane, step, reg):
+        g, t = divmod(lane, 4)
+        row, col = 16 * tile + g + 8 * (reg % 2), words_a_lane * (4 * c + t) + step // 4
+        return (int(words[row, col]) if row < n and col < kw else 0), 2 * (step % 4) + reg // 2
+    return word_pair
 
 
 @pytest.mark.parametrize("n, k", [(16, 128), (33, 300), (5, 4)])
 def test_tiles_feed_mma_fragments(n, k):
-    """The tiled layout, read through the mma fragment layout as the CUDA kernel reads it, is x @ W^T."""
+    """The tiled layout, read through the mma fragment layout as the CUDA kernel reads it, is x @ W^T; and so is
+    the row layout, read as the kernel reads it without tiles (8 and 16 bytes a row and lane)."""
     gen = torch.Generator().manual_seed(n * 1000 + k)
     values = torch.randint(-1, 2, (n, k), generator=gen)
     x = torch.randn(3, k, generator=gen, dtype=torch.float64)
-    y = _mma_emulated(pack_tiles(values), x)[:, :n]
     ref = x @ values.to(torch.float64).t()
-    assert torch.allclose(y, ref, atol=1e-12), f"max |err| {(y - ref).abs().max().item()}"
+    tiles = pack_tiles(values)
+    nt, kc = tiles.shape[:2]
+    y = _mma_emulated(nt, kc, x, _tiles_word_pair(tiles))[:, :n]
+    assert torch.allclose(y, ref, atol=1e-12), f"tiles: max |err| {(y - ref).abs().max().item()}"
+    for words_a_lane, ck in ((2, 128), (4, 256)):
+        y = _mma_emulated(nt, -(-k // ck), x, _rows_word_pair(pack_native(values), words_a_lane), ck)[:, :n]
+        assert torch.allclose(y, ref, atol=1e-12), f"rows {ck}: max |err| {(y - ref).abs().max().item()}"
 
 
 def test_native_rejects_bad_tiles():
@@ -654,8 +693,10 @@ def test_gpu_group_scales_never_read_past_the_row(kernel):
 @pytest.mark.parametrize("tn", [1, 2, 4])
 @pytest.mark.parametrize("mb, loads", [(1, 4), (1, 8), (2, 4)])
 @pytest.mark.parametrize("warps, pdl", [(1, False), (3, True), (16, True)])
-def test_gpu_mma_every_instance(tn, mb, loads, warps, pdl):
-    """Every compiled instance, odd warp counts and both launch modes: ragged N, K, M, group scales."""
+@pytest.mark.parametrize("rows", [False, True])
+def test_gpu_mma_every_instance(tn, mb, loads, warps, pdl, rows):
+    """Every compiled instance, odd warp counts and both launch modes, on the tiles and on the row layout (words a
+    row odd at K = 1000: 4-byte loads; even: 8-byte loads): ragged N, K, M, group scales."""
     for i, (m, n, k, spec) in enumerate([(1, 200, 1000, PRESETS["seed-article"]), (9, 44, 4096, PRESETS["hf-bitnet"]),
                                          (20, 130, 640, TernarySpec(scale_granularity="group", group_size=128)),
                                          (40, 77, 2304, TernarySpec(scale_granularity="group", group_size=256))]):
@@ -664,10 +705,10 @@ def test_gpu_mma_every_instance(tn, mb, loads, warps, pdl):
                     bias=i != 1, seed=100 + i)
         built = build(case, "cuda")
         nat = built["native"].with_tiles()
-        out = ternary_cuda.linear_mma(built["x"], nat.tiles, nat.scale, built["bias"], n, k, nat.group_size,
-                                      nat.act_quant,
-                                      config=dict(tn=tn, mb=mb, loads=loads, warps=warps, pdl=pdl))
-        check(out, built, case, f"cuda_mma tn={tn} mb={mb} loads={loads} warps={warps} pdl={pdl}")
+        out = ternary_cuda.linear_mma(built["x"], nat.qweight if rows else nat.tiles, nat.scale, built["bias"], n, k,
+                                      nat.group_size, nat.act_quant,
+                                      config=dict(tn=tn, mb=mb, loads=loads, warps=warps, pdl=pdl), rows=rows)
+        check(out, built, case, f"cuda_mma tn={tn} mb={mb} loads={loads} warps={warps} pdl={pdl} rows={rows}")
 
 
 @pytest.mark.gpu
@@ -774,35 +815,39 @@ def test_gpu_dequant_tiles_matches_row_dequant(n, k4, group, dtype, seed):
 def test_gpu_cpp_mma_config_matches_python(m, n, k):
     """The C++ op chooses the configuration Python's mma_config + _fit_instance would."""
     for group_size in (0, 128, 256):
-        want = ternary_cuda._fit_instance(ternary_cuda.mma_config(m, n, k), group_size)
-        assert ternary_cuda.mma_cpp_config(m, n, k, group_size) == want, (m, n, k, group_size)
+        for rows in (False, True):
+            want = ternary_cuda._fit_instance(ternary_cuda.mma_config(m, n, k, rows), group_size)
+            assert ternary_cuda.mma_cpp_config(m, n, k, group_size, rows) == want, (m, n, k, group_size, rows)
 
 
 @pytest.mark.gpu
 @needs_cuda
 @settings(max_examples=int(os.environ.get("PARITY_GPU_EXAMPLES", "60")), **HYP)
 @given(case=cases(max_m=40, max_n=520, max_k=1100, dtypes=(torch.float16, torch.bfloat16)))
-def test_gpu_cpp_mma_op_matches_reference(case):
-    """torch.ops.parity_ternary.mma (the eager path of the public entry point) on every layout of x, 3-D too."""
+@pytest.mark.parametrize("op_name", ["mma", "mma_rows"])
+def test_gpu_cpp_mma_op_matches_reference(op_name, case):
+    """torch.ops.parity_ternary.mma (the eager path of the public entry point) on the tiles, and .mma_rows on the
+    row layout, every layout of x, 3-D too."""
     assume(eligible("cuda_mma", case))
     built = build(case, "cuda")
     nat = built["native"].with_tiles()
     x = built["x"]
-    op = ternary_cuda.ops().mma
+    op = getattr(ternary_cuda.ops(), op_name)
+    w = nat.qweight if op_name == "mma_rows" else nat.tiles
     if case["layout"] == "3d":
         m, k = case["m"], case["k"]
         b, t = (m // 2, 2) if m % 2 == 0 else (m, 1)
         wide = torch.full((b, t, k + 5), float("nan"), dtype=x.dtype, device=x.device)
         wide[..., :k] = x.reshape(b, t, k)
         with poisoned_empty():
-            out = op(wide[..., :k], nat.tiles, nat.scale, built["bias"], nat.n, nat.k, nat.group_size, nat.act_quant)
+            out = op(wide[..., :k], w, nat.scale, built["bias"], nat.n, nat.k, nat.group_size, nat.act_quant)
         assert out.shape == (b, t, case["n"])
         out = out.reshape(m, case["n"])
     else:
         with poisoned_empty():
-            out = op(shaped(x, case["layout"]), nat.tiles, nat.scale, built["bias"], nat.n, nat.k, nat.group_size,
+            out = op(shaped(x, case["layout"]), w, nat.scale, built["bias"], nat.n, nat.k, nat.group_size,
                      nat.act_quant)
-    check(out, built, case, "parity_ternary.mma")
+    check(out, built, case, f"parity_ternary.{op_name}")
     with poisoned_empty():
         public = ternary_ops.ternary_linear(shaped(x, case["layout"]) if case["layout"] != "3d" else x, nat,
                                             built["bias"])
@@ -834,6 +879,50 @@ def test_gpu_tiles_linear_every_m(m):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("m", [1, 7, 40])
+def test_gpu_public_entry_point_on_the_rows_alone(m):
+    """A weight without tiles runs cuda_mma on its row layout: the public entry point (eager C++ op), the Python
+    custom op (the compiled path) and both replayed from a CUDA graph, 16- and 8-byte reads a row (group scales)
+    and a word a load (K = 1000)."""
+    for i, (spec, dtype, k) in enumerate([(PRESETS["seed-article"], torch.float16, 4096),
+                                          (PRESETS["hf-bitnet"], torch.bfloat16, 1000),
+                                          (TernarySpec(scale_granularity="group", group_size=128), torch.bfloat16,
+                                           1024)]):
+        case = dict(spec=spec, m=m, n=300, k=k, dtype=dtype, scale_dtype=torch.float32, weights="random",
+                    activations="normal", layout="contiguous", bias=i != 1, seed=60 + i)
+        built = build(case, "cuda")
+        nat = built["native"]
+        assert nat.tiles is None
+        assert choose.ternary_kernel("auto", m, dtype, nat.group_size, nat.act_quant) == "cuda_mma"
+        x = built["x"].clone()
+
+        def both():
+            return (ternary_ops.ternary_linear(x, nat, built["bias"]),
+                    ternary_ops.ternary_linear_op(x, nat.qweight, nat.scale, built["bias"], nat.k, nat.group_size,
+                                                  nat.act_quant, "cuda_mma", None))
+        for o, what in zip(both(), ("public entry point", "custom op")):
+            check(o, built, case, f"rows alone, {what}")
+        _check_graph_replays(both, ("public entry point", "custom op"), built, case, f"rows alone M={m}", 1)
+
+
+def _check_graph_replays(run, names, built, case, label: str, replays: int) -> None:
+    """``run`` (warmed up) captured in one CUDA graph: every replay writes the reference into NaN-poisoned
+    outputs."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    for i in range(replays):
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for o, what in zip(outs, names):
+            check(o, built, case, f"{what} {label} graph replay {i}")
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("m", [1, 7, 16, 40])
 def test_gpu_cpp_ops_in_cuda_graphs(m):
     """The public entry point (eager C++ op) and tiles_linear captured in one CUDA graph: every replay
@@ -850,17 +939,7 @@ def test_gpu_cpp_ops_in_cuda_graphs(m):
                 ternary_ops.tiles_linear(x, nat.tiles, nat.scale, built["bias"], nat.n, nat.k, nat.group_size,
                                          nat.act_quant))
     both()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = both()
-    for i in range(3):
-        for o in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for o, what in zip(outs, ("public entry point", "tiles_linear")):
-            check(o, built, case, f"{what} M={m} graph replay {i}")
+    _check_graph_replays(both, ("public entry point", "tiles_linear"), built, case, f"M={m}", 3)
 
 
 @pytest.mark.gpu
@@ -876,13 +955,18 @@ def test_gpu_cpp_opcheck():
                                                 nat.group_size, nat.act_quant))
         torch.library.opcheck(ops.mma.default, (built["x"].reshape(5, 1, 256), nat.tiles, nat.scale, None, nat.n,
                                                 nat.k, nat.group_size, nat.act_quant))
+        torch.library.opcheck(ops.mma_rows.default, (built["x"], nat.qweight, nat.scale, built["bias"], nat.n, nat.k,
+                                                     nat.group_size, nat.act_quant))
+        torch.library.opcheck(ops.mma_rows.default, (built["x"].reshape(5, 1, 256), nat.qweight, nat.scale, None,
+                                                     nat.n, nat.k, nat.group_size, nat.act_quant))
         torch.library.opcheck(ops.dequant_tiles.default, (nat.tiles, nat.scale, nat.n, nat.k, nat.group_size,
                                                           torch.float16))
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_cpp_mma_propagates_nan():
+@pytest.mark.parametrize("rows", [False, True])
+def test_gpu_cpp_mma_propagates_nan(rows):
     """A NaN in a token's activations makes that token's outputs NaN (as the fp64 reference does), and no
     other token's."""
     case = dict(spec=PRESETS["seed-article"], m=4, n=300, k=1000, dtype=torch.float16, scale_dtype=torch.float32,
@@ -891,7 +975,9 @@ def test_gpu_cpp_mma_propagates_nan():
     nat = built["native"].with_tiles()
     x = built["x"].clone()
     x[2, 517] = float("nan")
-    out = ternary_cuda.ops().mma(x, nat.tiles, nat.scale, None, nat.n, nat.k, nat.group_size, nat.act_quant)
+    ops = ternary_cuda.ops()
+    out = (ops.mma_rows(x, nat.qweight, nat.scale, None, nat.n, nat.k, nat.group_size, nat.act_quant) if rows else
+           ops.mma(x, nat.tiles, nat.scale, None, nat.n, nat.k, nat.group_size, nat.act_quant))
     assert bool(out[2].isnan().all()), "the NaN token's outputs must all be NaN"
     assert bool(torch.isfinite(out[[0, 1, 3]]).all()), "other tokens must stay finite"
 

@@ -237,7 +237,9 @@ void launch(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor
 // ---------------------------------------------------------------------------------------------
 // Tensor-core kernel for small M on the tiled layout (kernels/ternary_repack.py, pack_tiles):
 // tiles int32 (NT, KC, 32, 4); tile (nt, c) covers rows 16 nt.. and inputs 128 c.., one uint4 per
-// lane, 512 contiguous bytes per warp. A block owns TN consecutive row tiles and MB * 8 tokens; its
+// lane, 512 contiguous bytes per warp. Or on the row layout itself (Src below): lane (g, t) reads words
+// of rows 16 nt + g and + 8 that hold its own run of inputs, whose pairs of fields are the A registers as
+// they are (one copy of the weight serves every M). A block owns TN consecutive row tiles and MB * 8 tokens; its
 // warps split the chunks of K (warp w takes c = w, w + W, ...) and add their partial sums in shared
 // memory at the end. Lane (g, t) of a warp meets inputs 128 c + 32 t .. + 31 of tokens g (+ 8 mb),
 // read as four 16-byte loads; each uint4 of weights decodes to the A registers of 8 k16 steps with a
@@ -270,25 +272,87 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   return v;
 }
 
+__device__ __forceinline__ uint2 load_stream2(const uint32_t* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+// Where the tensor-core kernel reads its weights: the tiles (a chunk is 128 inputs, a uint4 a lane per row
+// tile), or the row layout (int32 (N, KW), words of 16 inputs) with 8-byte loads (ROWS8: chunks of 128 inputs,
+// which group scales of 128 need) or 16-byte loads (ROWS16: chunks of 256 inputs, two uint4 a lane per tile).
+enum : int { SRC_TILES = 0, SRC_ROWS8 = 1, SRC_ROWS16 = 2 };
+template <int SRC>
+struct Src {
+  static constexpr int CK = SRC == SRC_ROWS16 ? 256 : 128;  // inputs of a chunk
+  static constexpr int WPT = SRC == SRC_ROWS16 ? 2 : 1;      // weight uint4 of a lane per tile and chunk
+  static constexpr int NQ = CK / 32;                         // x uint4 of a lane per token and chunk
+};
+
+// The weights of lane (g, t) of row tile nt for chunk c, zeros past N or K. Tiles: its uint4. ROWS8: words
+// 8 c + 2 t, + 1 of row 16 nt + g in .x, .y and of row 16 nt + g + 8 in .z, .w. ROWS16: words 16 c + 4 t .. + 3
+// of row 16 nt + g in wq[0] and of row 16 nt + g + 8 in wq[1]. One vector load a row where every row starts
+// aligned to it (wvec), else a load a word.
+template <int SRC>
+__device__ __forceinline__ void load_weights(uint4 (&wq)[Src<SRC>::WPT], const void* __restrict__ w, int nt, int c,
+                                             int lane, int NT, int KC, int N, int KW, bool wvec) {
+  if constexpr (SRC == SRC_TILES) {
+    wq[0] = c < KC && nt < NT ? load_stream(reinterpret_cast<const uint4*>(w) + ((int64_t)nt * KC + c) * 32 + lane)
+                              : make_uint4(0, 0, 0, 0);
+    return;
+  }
+  constexpr int WORDS = SRC == SRC_ROWS16 ? 4 : 2;  // words of a row a lane reads
+  const uint32_t* qw = reinterpret_cast<const uint32_t*>(w);
+  const int n = nt * TILE_N + (lane >> 2), word = WORDS * (4 * c + (lane & 3));
+  uint32_t v[2][WORDS] = {};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = n + 8 * h;
+    if (row >= N) continue;
+    const uint32_t* p = qw + (int64_t)row * KW + word;
+    if (wvec) {
+      if (word < KW) {
+        if constexpr (SRC == SRC_ROWS16) {
+          const uint4 u = load_stream(reinterpret_cast<const uint4*>(p));
+          v[h][0] = u.x; v[h][1] = u.y; v[h][2] = u.z; v[h][3] = u.w;
+        } else {
+          const uint2 u = load_stream2(p);
+          v[h][0] = u.x; v[h][1] = u.y;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < WORDS; ++e)
+        if (word + e < KW) v[h][e] = __ldg(p + e);
+    }
+  }
+  if constexpr (SRC == SRC_ROWS16) {
+    wq[0] = make_uint4(v[0][0], v[0][1], v[0][2], v[0][3]);
+    wq[Src<SRC>::WPT - 1] = make_uint4(v[1][0], v[1][WORDS - 3], v[1][WORDS - 2], v[1][WORDS - 1]);
+  } else {
+    wq[0] = make_uint4(v[0][0], v[0][1], v[1][0], v[1][1]);
+  }
+}
+
 template <int P> __device__ __forceinline__ uint32_t pair_bits(uint32_t w) { return (w << (14 - 2 * P)) & 0xC000C000u; }
 
-// The 64-byte run of activations of one lane for chunk c (zeros past K or past M).
-template <typename T>
-__device__ __forceinline__ void load_x(uint4 (&xv)[4], const T* __restrict__ x, int64_t sxm, int m, int M, int K,
+// The run of NQ * 8 activations of one lane for a chunk (zeros past K or past M).
+template <typename T, int NQ>
+__device__ __forceinline__ void load_x(uint4 (&xv)[NQ], const T* __restrict__ x, int64_t sxm, int m, int M, int K,
                                        int k0, bool vec) {
   if (m >= M) {
 #pragma unroll
-    for (int q = 0; q < 4; ++q) xv[q] = make_uint4(0, 0, 0, 0);
+    for (int q = 0; q < NQ; ++q) xv[q] = make_uint4(0, 0, 0, 0);
     return;
   }
   const T* row = x + (int64_t)m * sxm;
-  if (vec && k0 + 32 <= K) {
+  if (vec && k0 + 8 * NQ <= K) {
 #pragma unroll
-    for (int q = 0; q < 4; ++q) xv[q] = __ldg(reinterpret_cast<const uint4*>(row + k0) + q);
+    for (int q = 0; q < NQ; ++q) xv[q] = __ldg(reinterpret_cast<const uint4*>(row + k0) + q);
     return;
   }
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
+  for (int q = 0; q < NQ; ++q) {
     uint16_t h[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -300,18 +364,45 @@ __device__ __forceinline__ void load_x(uint4 (&xv)[4], const T* __restrict__ x, 
   }
 }
 
-template <typename T, int TN, int MB>
-__device__ __forceinline__ void mma_chunk(float (&acc)[TN][MB][4], const uint4 (&wq)[TN], const uint4 (&xv)[MB][4]) {
+// Rows: the A registers of a step from the words of rows g (lo) and g + 8 (hi), pairs 2 R and 2 R + 1 (a word's
+// pair p holds its inputs 2 p and 2 p + 1 at bits 2 p and 16 + 2 p).
+template <int R>
+__device__ __forceinline__ void rows_a(uint32_t lo, uint32_t hi, uint32_t& a0, uint32_t& a1, uint32_t& a2,
+                                       uint32_t& a3) {
+  a0 = pair_bits<2 * R>(lo);
+  a1 = pair_bits<2 * R>(hi);
+  a2 = pair_bits<2 * R + 1>(lo);
+  a3 = pair_bits<2 * R + 1>(hi);
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+
+// Step s of a chunk takes inputs CK c + (CK / 4) t + 4 s .. + 3 of lane (g, t): a0 / a2 its first / second two
+// of row g, a1 / a3 those of row g + 8. Rows: word s / 4 of the lane's words of each row, pairs 2 (s % 4), + 1.
+template <typename T, int TN, int MB, int SRC>
+__device__ __forceinline__ void mma_chunk(float (&acc)[TN][MB][4], const uint4 (&wq)[TN][Src<SRC>::WPT],
+                                          const uint4 (&xv)[MB][Src<SRC>::NQ]) {
 #pragma unroll
-  for (int s = 0; s < 8; ++s) {
+  for (int s = 0; s < Src<SRC>::CK / 16; ++s) {
 #pragma unroll
     for (int i = 0; i < TN; ++i) {
-      const uint32_t w = s < 2 ? wq[i].x : s < 4 ? wq[i].y : s < 6 ? wq[i].z : wq[i].w;
       uint32_t a0, a1, a2, a3;
-      if (s & 1) {
-        a0 = pair_bits<4>(w); a1 = pair_bits<5>(w); a2 = pair_bits<6>(w); a3 = pair_bits<7>(w);
+      if constexpr (SRC == SRC_TILES) {
+        const uint32_t w = word_of(wq[i][0], s >> 1);
+        if (s & 1) {
+          a0 = pair_bits<4>(w); a1 = pair_bits<5>(w); a2 = pair_bits<6>(w); a3 = pair_bits<7>(w);
+        } else {
+          a0 = pair_bits<0>(w); a1 = pair_bits<1>(w); a2 = pair_bits<2>(w); a3 = pair_bits<3>(w);
+        }
       } else {
-        a0 = pair_bits<0>(w); a1 = pair_bits<1>(w); a2 = pair_bits<2>(w); a3 = pair_bits<3>(w);
+        const uint32_t lo = SRC == SRC_ROWS16 ? word_of(wq[i][0], s >> 2) : s < 4 ? wq[i][0].x : wq[i][0].y;
+        const uint32_t hi = SRC == SRC_ROWS16 ? word_of(wq[i][Src<SRC>::WPT - 1], s >> 2) : s < 4 ? wq[i][0].z : wq[i][0].w;
+        switch (s & 3) {
+          case 0: rows_a<0>(lo, hi, a0, a1, a2, a3); break;
+          case 1: rows_a<1>(lo, hi, a0, a1, a2, a3); break;
+          case 2: rows_a<2>(lo, hi, a0, a1, a2, a3); break;
+          default: rows_a<3>(lo, hi, a0, a1, a2, a3); break;
+        }
       }
 #pragma unroll
       for (int mb = 0; mb < MB; ++mb) {
@@ -354,19 +445,20 @@ __device__ __forceinline__ void store_tile(const float (&acc)[TN][MB][4], float*
   }
 }
 
-// One chunk (128 inputs of TN row tiles) into acc; with group scales the chunk's partial is scaled first
-// (the group size is a multiple of TILE_K, so a chunk shares one scale per row).
-template <typename T, int TN, int MB, bool GROUP>
-__device__ __forceinline__ void mma_chunk_scaled(float (&acc)[TN][MB][4], const uint4 (&wq)[TN],
-                                                 const uint4 (&xv)[MB][4], const float* __restrict__ scale, int N,
-                                                 int G, int GS, int nt0, int c) {
+// One chunk (CK inputs of TN row tiles) into acc; with group scales the chunk's partial is scaled first
+// (the group size is a multiple of the chunk, so a chunk shares one scale per row).
+template <typename T, int TN, int MB, bool GROUP, int SRC>
+__device__ __forceinline__ void mma_chunk_scaled(float (&acc)[TN][MB][4], const uint4 (&wq)[TN][Src<SRC>::WPT],
+                                                 const uint4 (&xv)[MB][Src<SRC>::NQ], const float* __restrict__ scale,
+                                                 int N, int G, int GS, int nt0, int c) {
+  static_assert(!GROUP || Src<SRC>::CK == TILE_K, "group scales need chunks of 128 inputs");
   if (!GROUP) {
-    mma_chunk<T, TN, MB>(acc, wq, xv);
+    mma_chunk<T, TN, MB, SRC>(acc, wq, xv);
     return;
   }
   const int g = (threadIdx.x & 31) >> 2;
   float part[TN][MB][4] = {};
-  mma_chunk<T, TN, MB>(part, wq, xv);
+  mma_chunk<T, TN, MB, SRC>(part, wq, xv);
   const int grp = c * TILE_K / GS;
 #pragma unroll
   for (int i = 0; i < TN; ++i) {
@@ -384,15 +476,16 @@ __device__ __forceinline__ void mma_chunk_scaled(float (&acc)[TN][MB][4], const 
 }
 
 // Block of the tensor-core kernel: TN row tiles x MB * 8 tokens. Each iteration a warp requests L
-// weight uint4 per lane (U = L / TN chunks of its TN tiles, L * 512 bytes per warp) before decoding
+// weight uint4 per lane (U = L / (TN * WPT) chunks of its TN tiles, L * 512 bytes per warp) before decoding
 // the first; B fragments come from global memory (x is small and stays in L2).
-template <typename T, int TN, int MB, int L, bool GROUP>
+template <typename T, int TN, int MB, int L, bool GROUP, int SRC>
 __global__ void __launch_bounds__(512)
-mma_kernel(const T* __restrict__ x, int64_t sxm, const uint4* __restrict__ tiles, const float* __restrict__ scale,
+mma_kernel(const T* __restrict__ x, int64_t sxm, const void* __restrict__ w, const float* __restrict__ scale,
            const float* __restrict__ bias, const float* __restrict__ sx, T* __restrict__ y, int M, int N, int K,
-           int NT, int KC, int G, int GS, bool xvec) {
+           int NT, int KC, int KW, int G, int GS, bool xvec, bool wvec) {
+  using S = Src<SRC>;
   extern __shared__ float red[];
-  constexpr int U = L / TN > 0 ? L / TN : 1;  // chunks per iteration
+  constexpr int U = L / (TN * S::WPT) > 0 ? L / (TN * S::WPT) : 1;  // chunks per iteration
   pdl_launch_dependents();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -401,24 +494,23 @@ mma_kernel(const T* __restrict__ x, int64_t sxm, const uint4* __restrict__ tiles
   float acc[TN][MB][4] = {};
 
   for (int c0 = warp; c0 < KC; c0 += nwarps * U) {
-    uint4 wq[U][TN];
+    uint4 wq[U][TN][S::WPT];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * nwarps;
 #pragma unroll
-      for (int i = 0; i < TN; ++i)
-        wq[u][i] = c < KC && nt0 + i < NT ? load_stream(tiles + ((int64_t)(nt0 + i) * KC + c) * 32 + lane)
-                                          : make_uint4(0, 0, 0, 0);
+      for (int i = 0; i < TN; ++i) load_weights<SRC>(wq[u][i], w, nt0 + i, c, lane, NT, KC, N, KW, wvec);
     }
     pdl_wait();
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * nwarps;
       if (c >= KC) break;
-      uint4 xv[MB][4];
+      uint4 xv[MB][S::NQ];
 #pragma unroll
-      for (int mb = 0; mb < MB; ++mb) load_x<T>(xv[mb], x, sxm, m0 + mb * 8 + g, M, K, c * TILE_K + 32 * t, xvec);
-      mma_chunk_scaled<T, TN, MB, GROUP>(acc, wq[u], xv, scale, N, G, GS, nt0, c);
+      for (int mb = 0; mb < MB; ++mb)
+        load_x<T, S::NQ>(xv[mb], x, sxm, m0 + mb * 8 + g, M, K, c * S::CK + (S::CK / 4) * t, xvec);
+      mma_chunk_scaled<T, TN, MB, GROUP, SRC>(acc, wq[u], xv, scale, N, G, GS, nt0, c);
     }
   }
   pdl_wait();  // warps without a chunk
@@ -446,29 +538,57 @@ struct MmaArgs {
   int64_t sxm;
   const float* bias;
   const float* sx;
-  int M, N, K, G, GS, warps;
-  bool xvec, pdl;
+  int M, N, K, KW, G, GS, warps;
+  bool xvec, wvec, pdl;
   cudaStream_t stream;
 };
 
-template <typename T, int TN, int MB, int L, bool GROUP>
-void launch_mma_cfg(const T* xp, const torch::Tensor& tiles, const torch::Tensor& scale, T* yp, const MmaArgs& a) {
-  const int NT = tiles.size(0), KC = tiles.size(1);
+template <typename T, int TN, int MB, int L, bool GROUP, int SRC>
+void launch_mma_cfg(const T* xp, const torch::Tensor& w, const torch::Tensor& scale, T* yp, MmaArgs a) {
+  const int NT = (a.N + TILE_N - 1) / TILE_N, KC = (a.K + Src<SRC>::CK - 1) / Src<SRC>::CK;
   dim3 grid((NT + TN - 1) / TN, (a.M + MB * 8 - 1) / (MB * 8));
   const int smem = a.warps * TN * MB * 4 * 32 * (int)sizeof(float);
-  launch_kernel(mma_kernel<T, TN, MB, L, GROUP>, grid, 32 * a.warps, smem, a.pdl, a.stream, xp, a.sxm,
-                reinterpret_cast<const uint4*>(tiles.data_ptr<int32_t>()), (const float*)scale.data_ptr<float>(),
-                a.bias, a.sx, yp, a.M, a.N, a.K, NT, KC, a.G, a.GS, a.xvec);
+  // The row layout: a vector load a row where every row starts aligned to it.
+  const int vec_words = SRC == SRC_ROWS16 ? 4 : 2;
+  a.wvec = SRC != SRC_TILES && a.KW % vec_words == 0 &&
+           (reinterpret_cast<uintptr_t>(w.data_ptr()) & (4 * vec_words - 1)) == 0;
+  launch_kernel(mma_kernel<T, TN, MB, L, GROUP, SRC>, grid, 32 * a.warps, smem, a.pdl, a.stream, xp, a.sxm,
+                (const void*)w.data_ptr<int32_t>(), (const float*)scale.data_ptr<float>(), a.bias, a.sx, yp, a.M, a.N,
+                a.K, NT, KC, a.KW, a.G, a.GS, a.xvec, a.wvec);
 }
 
+// The source of an instance on the row layout: 16-byte loads a row (chunks of 256 inputs) where the registers
+// allow and there are no group scales, else 8-byte loads (chunks of 128 inputs).
+constexpr int rows_src(int tn, int mb, bool group) { return group || tn * mb > 4 ? SRC_ROWS8 : SRC_ROWS16; }
+
+template <typename T, bool ROWS>
+void dispatch_mma(const T* xp, const torch::Tensor& w, const torch::Tensor& scale, T* yp, const MmaArgs& a, int tn,
+                  int mb, int loads, bool group) {
+#define PARITY_MMA(TN_, MB_, L_, GROUP_)                                                                        \
+  if (group == GROUP_ && tn == TN_ && mb == MB_ && loads == L_)                                                 \
+    return launch_mma_cfg<T, TN_, MB_, L_, GROUP_, ROWS ? rows_src(TN_, MB_, GROUP_) : SRC_TILES>(xp, w, scale, \
+                                                                                                   yp, a);
+  PARITY_MMA(1, 1, 4, false) PARITY_MMA(2, 1, 4, false) PARITY_MMA(4, 1, 4, false)
+  PARITY_MMA(1, 1, 8, false) PARITY_MMA(2, 1, 8, false) PARITY_MMA(4, 1, 8, false)
+  PARITY_MMA(1, 2, 4, false) PARITY_MMA(2, 2, 4, false) PARITY_MMA(4, 2, 4, false)
+  // Group scales need a second accumulator: fewer instances, the registers allow no more.
+  PARITY_MMA(1, 1, 4, true) PARITY_MMA(2, 1, 4, true) PARITY_MMA(4, 1, 4, true)
+  PARITY_MMA(1, 2, 4, true) PARITY_MMA(2, 2, 4, true)
+#undef PARITY_MMA
+  TORCH_CHECK(false, "ternary mma kernel: no instance for tn=", tn, " mb=", mb, " loads=", loads,
+              group ? " with group scales" : "");
+}
+
+// w: the tiles, or the row layout (rows).
 template <typename T>
-void launch_mma(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scale, const float* bias,
-                torch::Tensor& y, int N, int K, int group_size, bool act_quant, int tn, int mb, int warps, int loads,
-                bool pdl) {
+void launch_mma(const torch::Tensor& x, const torch::Tensor& w, bool rows, const torch::Tensor& scale,
+                const float* bias, torch::Tensor& y, int N, int K, int group_size, bool act_quant, int tn, int mb,
+                int warps, int loads, bool pdl) {
   MmaArgs a{};
   a.M = x.size(0);
   a.N = N;
   a.K = K;
+  a.KW = rows ? (int)w.size(1) : 0;
   a.G = scale.size(1);
   a.warps = warps;
   a.bias = bias;
@@ -490,18 +610,10 @@ void launch_mma(const torch::Tensor& x, const torch::Tensor& tiles, const torch:
   const bool group = group_size > 0;
   a.GS = group ? group_size : 1;
   T* yp = reinterpret_cast<T*>(y.data_ptr());
-#define PARITY_MMA(TN_, MB_, L_, GROUP_)                                      \
-  if (tn == TN_ && mb == MB_ && loads == L_ && group == GROUP_)                 \
-    return launch_mma_cfg<T, TN_, MB_, L_, GROUP_>(xp, tiles, scale, yp, a);
-  PARITY_MMA(1, 1, 4, false) PARITY_MMA(2, 1, 4, false) PARITY_MMA(4, 1, 4, false)
-  PARITY_MMA(1, 1, 8, false) PARITY_MMA(2, 1, 8, false) PARITY_MMA(4, 1, 8, false)
-  PARITY_MMA(1, 2, 4, false) PARITY_MMA(2, 2, 4, false) PARITY_MMA(4, 2, 4, false)
-  // Group scales need a second accumulator: fewer instances, the registers allow no more.
-  PARITY_MMA(1, 1, 4, true) PARITY_MMA(2, 1, 4, true) PARITY_MMA(4, 1, 4, true)
-  PARITY_MMA(1, 2, 4, true) PARITY_MMA(2, 2, 4, true)
-#undef PARITY_MMA
-  TORCH_CHECK(false, "ternary mma kernel: no instance for tn=", tn, " mb=", mb, " loads=", loads,
-              group ? " with group scales" : "");
+  if (rows)
+    dispatch_mma<T, true>(xp, w, scale, yp, a, tn, mb, loads, group);
+  else
+    dispatch_mma<T, false>(xp, w, scale, yp, a, tn, mb, loads, group);
 }
 
 // The bias as contiguous fp32, which the kernels read; undefined when there is none.
@@ -509,17 +621,24 @@ torch::Tensor float_bias(const c10::optional<torch::Tensor>& bias) {
   return bias.has_value() ? bias->to(torch::kFloat32).contiguous() : torch::Tensor();
 }
 
-torch::Tensor ternary_linear_mma(torch::Tensor x, torch::Tensor tiles, torch::Tensor scale,
-                                 c10::optional<torch::Tensor> bias, int64_t n, int64_t k, int64_t group_size,
-                                 bool act_quant, int64_t tn, int64_t mb, int64_t warps, int64_t loads, bool pdl) {
-  TORCH_CHECK(x.is_cuda() && tiles.is_cuda() && scale.is_cuda(), "ternary mma kernel needs CUDA tensors");
+// The tensor-core kernel on the tiles, or on the row layout (rows: w is qweight, int32 (N, ceil(K / 16))).
+torch::Tensor linear_mma(const torch::Tensor& x, const torch::Tensor& w, bool rows, const torch::Tensor& scale,
+                         const c10::optional<torch::Tensor>& bias, int64_t n, int64_t k, int64_t group_size,
+                         bool act_quant, int64_t tn, int64_t mb, int64_t warps, int64_t loads, bool pdl) {
+  TORCH_CHECK(x.is_cuda() && w.is_cuda() && scale.is_cuda(), "ternary mma kernel needs CUDA tensors");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1, "x must be (M, K=", k, ") contiguous along K");
   TORCH_CHECK(x.scalar_type() == torch::kFloat16 || x.scalar_type() == torch::kBFloat16,
               "ternary mma kernel: x must be fp16 or bf16, got ", x.scalar_type());
-  TORCH_CHECK(tiles.scalar_type() == torch::kInt32 && tiles.is_contiguous() && tiles.dim() == 4 &&
-                  tiles.size(0) == (n + TILE_N - 1) / TILE_N && tiles.size(1) == (k + TILE_K - 1) / TILE_K &&
-                  tiles.size(2) == 32 && tiles.size(3) == 4,
-              "tiles must be contiguous int32 (ceil(N/16), ceil(K/128), 32, 4) for N=", n, " K=", k);
+  if (rows) {
+    TORCH_CHECK(w.scalar_type() == torch::kInt32 && w.is_contiguous() && w.dim() == 2 && w.size(0) == n &&
+                    w.size(1) == (k + 15) / 16,
+                "qweight must be contiguous int32 (N, ceil(K/16)) for N=", n, " K=", k);
+  } else {
+    TORCH_CHECK(w.scalar_type() == torch::kInt32 && w.is_contiguous() && w.dim() == 4 &&
+                    w.size(0) == (n + TILE_N - 1) / TILE_N && w.size(1) == (k + TILE_K - 1) / TILE_K &&
+                    w.size(2) == 32 && w.size(3) == 4,
+                "tiles must be contiguous int32 (ceil(N/16), ceil(K/128), 32, 4) for N=", n, " K=", k);
+  }
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.size(0) == n,
               "scale must be contiguous fp32 (N, G)");
   TORCH_CHECK(group_size == 0 || group_size % TILE_K == 0, "ternary mma kernel: group size ", group_size,
@@ -531,12 +650,25 @@ torch::Tensor ternary_linear_mma(torch::Tensor x, torch::Tensor tiles, torch::Te
   auto y = torch::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0 || n == 0) return y;
   if (x.scalar_type() == torch::kFloat16)
-    launch_mma<__half>(x, tiles, scale, bp, y, (int)n, (int)k, (int)group_size, act_quant, (int)tn, (int)mb,
+    launch_mma<__half>(x, w, rows, scale, bp, y, (int)n, (int)k, (int)group_size, act_quant, (int)tn, (int)mb,
                        (int)warps, (int)loads, pdl);
   else
-    launch_mma<__nv_bfloat16>(x, tiles, scale, bp, y, (int)n, (int)k, (int)group_size, act_quant, (int)tn, (int)mb,
-                              (int)warps, (int)loads, pdl);
+    launch_mma<__nv_bfloat16>(x, w, rows, scale, bp, y, (int)n, (int)k, (int)group_size, act_quant, (int)tn,
+                              (int)mb, (int)warps, (int)loads, pdl);
   return y;
+}
+
+torch::Tensor ternary_linear_mma(torch::Tensor x, torch::Tensor tiles, torch::Tensor scale,
+                                 c10::optional<torch::Tensor> bias, int64_t n, int64_t k, int64_t group_size,
+                                 bool act_quant, int64_t tn, int64_t mb, int64_t warps, int64_t loads, bool pdl) {
+  return linear_mma(x, tiles, false, scale, bias, n, k, group_size, act_quant, tn, mb, warps, loads, pdl);
+}
+
+torch::Tensor ternary_linear_mma_rows(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
+                                      c10::optional<torch::Tensor> bias, int64_t n, int64_t k, int64_t group_size,
+                                      bool act_quant, int64_t tn, int64_t mb, int64_t warps, int64_t loads,
+                                      bool pdl) {
+  return linear_mma(x, qweight, true, scale, bias, n, k, group_size, act_quant, tn, mb, warps, loads, pdl);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -757,7 +889,7 @@ bool pdl_env_allows() {
   return allowed;
 }
 
-MmaCfg mma_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size, int dev) {
+MmaCfg mma_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size, int dev, bool rows) {
   const int info = device_sms(dev);
   const int sms = info < 0 ? -info : info;
   const int64_t nt = (n + TILE_N - 1) / TILE_N, kc = (k + TILE_K - 1) / TILE_K;
@@ -769,7 +901,11 @@ MmaCfg mma_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size, int 
   MmaCfg c{};
   c.pdl = info > 0 && pdl_env_allows();
   c.loads = 4;
-  if (m <= 8) {
+  if (m <= 8 && rows) {
+    c.tn = tiles(0.9 * sms);
+    c.mb = 1;
+    c.warps = (int)std::max<int64_t>(1, std::min<int64_t>(16, ((k + 255) / 256) / 2));
+  } else if (m <= 8) {
     c.tn = tiles((m <= 4 ? 1.2 : 0.9) * sms);
     c.mb = 1;
     c.warps = (int)std::max<int64_t>(1, std::min<int64_t>(16, kc));
@@ -788,24 +924,37 @@ MmaCfg mma_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size, int 
   return c;
 }
 
-std::vector<int64_t> mma_auto_config_py(int64_t m, int64_t n, int64_t k, int64_t group_size) {
-  const MmaCfg c = mma_auto_config(m, n, k, group_size, c10::cuda::current_device());
+std::vector<int64_t> mma_auto_config_py(int64_t m, int64_t n, int64_t k, int64_t group_size, bool rows) {
+  const MmaCfg c = mma_auto_config(m, n, k, group_size, c10::cuda::current_device(), rows);
   return {c.tn, c.mb, c.warps, c.loads, c.pdl ? 1 : 0};
+}
+
+// x (..., K) through the tensor-core kernel with the configuration chosen here, on the tiles or the rows.
+torch::Tensor mma_op(const torch::Tensor& x, const torch::Tensor& w, bool rows, const torch::Tensor& scale,
+                     const c10::optional<torch::Tensor>& bias, int64_t n, int64_t k, int64_t group_size,
+                     bool act_quant) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "x must be (..., K=", k, ")");
+  torch::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, k});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  const MmaCfg c = mma_auto_config(x2.size(0), n, k, group_size, x.get_device(), rows);
+  torch::Tensor y = linear_mma(x2, w, rows, scale, bias, n, k, group_size, act_quant, c.tn, c.mb, c.warps, c.loads,
+                               c.pdl);
+  if (x.dim() == 2) return y;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(n);
+  return y.view(shape);
 }
 
 torch::Tensor ternary_mma_op(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scale,
                              const c10::optional<torch::Tensor>& bias, int64_t n, int64_t k, int64_t group_size,
                              bool act_quant) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "x must be (..., K=", k, ")");
-  torch::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, k});
-  if (x2.stride(1) != 1) x2 = x2.contiguous();
-  const MmaCfg c = mma_auto_config(x2.size(0), n, k, group_size, x.get_device());
-  torch::Tensor y = ternary_linear_mma(x2, tiles, scale, bias, n, k, group_size, act_quant, c.tn, c.mb, c.warps,
-                                       c.loads, c.pdl);
-  if (x.dim() == 2) return y;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-  shape.push_back(n);
-  return y.view(shape);
+  return mma_op(x, tiles, false, scale, bias, n, k, group_size, act_quant);
+}
+
+torch::Tensor ternary_mma_rows_op(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scale,
+                                  const c10::optional<torch::Tensor>& bias, int64_t n, int64_t k, int64_t group_size,
+                                  bool act_quant) {
+  return mma_op(x, qweight, true, scale, bias, n, k, group_size, act_quant);
 }
 
 }  // namespace
@@ -813,21 +962,28 @@ torch::Tensor ternary_mma_op(const torch::Tensor& x, const torch::Tensor& tiles,
 TORCH_LIBRARY(parity_ternary, m) {
   m.def("mma(Tensor x, Tensor tiles, Tensor scale, Tensor? bias, int n, int k, int group_size, bool act_quant) "
         "-> Tensor");
+  m.def("mma_rows(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, int n, int k, int group_size, "
+        "bool act_quant) -> Tensor");
   m.def("dequant_tiles(Tensor tiles, Tensor scale, int n, int k, int group_size, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(parity_ternary, CUDA, m) {
   m.impl("mma", &ternary_mma_op);
+  m.impl("mma_rows", &ternary_mma_rows_op);
   m.impl("dequant_tiles", &ternary_dequant_tiles);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mma_auto_config", &mma_auto_config_py, "(tn, mb, warps, loads, pdl) the C++ op chooses",
-        py::arg("m"), py::arg("n"), py::arg("k"), py::arg("group_size"));
+        py::arg("m"), py::arg("n"), py::arg("k"), py::arg("group_size"), py::arg("rows"));
   m.def("ternary_linear", &ternary_linear, "ternary linear (naive or vectorized)", py::arg("x"), py::arg("qweight"),
         py::arg("scale"), py::arg("bias"), py::arg("k"), py::arg("group_size"), py::arg("act_quant"), py::arg("vec"));
   m.def("ternary_linear_mma", &ternary_linear_mma, "ternary linear on the tiled layout (tensor cores, small M)",
         py::arg("x"), py::arg("tiles"), py::arg("scale"), py::arg("bias"), py::arg("n"), py::arg("k"),
+        py::arg("group_size"), py::arg("act_quant"), py::arg("tn"), py::arg("mb"), py::arg("warps"), py::arg("loads"),
+        py::arg("pdl"));
+  m.def("ternary_linear_mma_rows", &ternary_linear_mma_rows, "ternary linear on the row layout (tensor cores, small M)",
+        py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias"), py::arg("n"), py::arg("k"),
         py::arg("group_size"), py::arg("act_quant"), py::arg("tn"), py::arg("mb"), py::arg("warps"), py::arg("loads"),
         py::arg("pdl"));
   m.def("ternary_dequant", &ternary_dequant, "dense weight (scale folded) from the row layout", py::arg("qweight"),

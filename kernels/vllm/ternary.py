@@ -144,10 +144,10 @@ class TernaryLinearMethod(LinearMethodBase):
         _release(layer, (spec.weight_name, spec.scale_name))
         layer.parity_group_size = native.group_size
         layer.parity_backend = choose.ternary_backend(None, packed.device)
-        # PARITY_TERNARY_RESIDENT=one: one resident copy of the weight (2 bits a weight), the tiled layout where
+        # PARITY_TERNARY_RESIDENT=tiles: one resident copy of the weight (2 bits a weight), the tiled layout where
         # the tensor-core kernel serves this layer (every row count is then served from it:
-        # ternary_ops.tiles_linear); else the row layout (+ tiles on CUDA). Buffers, so that moving the module
-        # moves the kernel-layout weight with it.
+        # ternary_ops.tiles_linear); =rows: the row layout alone (every kernel reads it); else the row layout
+        # + tiles on CUDA. Buffers, so that moving the module moves the kernel-layout weight with it.
         resident = choose.ternary_resident(layer.parity_backend, getattr(layer, "parity_params_dtype", None),
                                            native.group_size)
         layer.parity_tiles_only = resident == "tiles"
@@ -159,13 +159,13 @@ class TernaryLinearMethod(LinearMethodBase):
             layer.register_buffer("parity_tiles", tiles, persistent=False)
             ternary_cuda.ops()  # the C++ ops and their fakes, loaded now: apply calls them directly
         else:
-            # PARITY_TERNARY_RESIDENT=two, or a layer cuda_mma does not serve: the row layout, and the tensor-core
-            # kernel's tiled copy (2 more bits per weight) where a CUDA kernel may run.
+            # PARITY_TERNARY_RESIDENT=two / rows, or a layer cuda_mma does not serve: the row layout, and (two) the
+            # tensor-core kernel's tiled copy (2 more bits per weight) where a CUDA kernel may run.
             layer.register_buffer("parity_qweight", native.qweight, persistent=False)
             tiles = native.with_tiles().tiles if resident == "rows+tiles" else None
             layer.register_buffer("parity_tiles", tiles, persistent=False)
         # cuda_mma through the C++ op (its configuration chosen in C++: no Python per call), loaded now.
-        layer.parity_cpp_mma = layer.parity_tiles is not None and _cuda_builds()
+        layer.parity_cpp_mma = layer.parity_backend in ("cuda", "auto") and _cuda_builds()
         layer.register_buffer("parity_scale", native.scale, persistent=False)
         act_quant = native.act_quant
         del native
@@ -206,8 +206,7 @@ class TernaryLinearMethod(LinearMethodBase):
 def _kernel(layer, m: int, dtype: torch.dtype) -> str:
     if layer.parity_tiles_only:
         return choose.ternary_tiles_kernel(m, dtype, layer.parity_group_size)
-    return choose.ternary_kernel(layer.parity_backend, m, dtype, layer.parity_group_size,
-                                 getattr(layer, "parity_tiles", None) is not None, layer.parity_act_quant)
+    return choose.ternary_kernel(layer.parity_backend, m, dtype, layer.parity_group_size, layer.parity_act_quant)
 
 
 def _cuda_builds() -> bool:
@@ -224,6 +223,10 @@ def _ternary_op(layer, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str)
         return ternary_ops.tiles_linear(x2, layer.parity_tiles, layer.parity_scale, bias, layer.parity_n,
                                         layer.parity_k, layer.parity_group_size, layer.parity_act_quant, kernel)
     if kernel == "cuda_mma" and layer.parity_cpp_mma:
+        if layer.parity_tiles is None:  # PARITY_TERNARY_RESIDENT=rows: the row layout alone
+            return torch.ops.parity_ternary.mma_rows(x2, layer.parity_qweight, layer.parity_scale, bias,
+                                                     layer.parity_n, layer.parity_k, layer.parity_group_size,
+                                                     layer.parity_act_quant)
         return torch.ops.parity_ternary.mma(x2, layer.parity_tiles, layer.parity_scale, bias, layer.parity_n,
                                             layer.parity_k, layer.parity_group_size, layer.parity_act_quant)
     return torch.ops.vllm_parity.ternary_linear(x2, layer.parity_qweight, layer.parity_scale, bias, layer.parity_k,

@@ -68,8 +68,7 @@ def kernel_for(module: nn.Module, m: int, dtype: torch.dtype, device: torch.devi
     if isinstance(module, ternary_ops.KernelLinear):
         native = module.native
         backend = choose.ternary_backend(module.backend, device)
-        return choose.ternary_kernel(backend, m, dtype, native.group_size, native.tiles is not None,
-                                     native.act_quant)
+        return choose.ternary_kernel(backend, m, dtype, native.group_size, native.act_quant)
     if isinstance(module, int8x_ops.KernelLinear):
         if module.layout == "native":
             return "native_" + choose.int8x_native_kernel(choose.int8x_native_backend(module.backend, device), m)
