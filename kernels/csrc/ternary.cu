@@ -328,7 +328,7 @@ __device__ __forceinline__ void load_weights(uint4 (&wq)[Src<SRC>::WPT], const v
   }
   if constexpr (SRC == SRC_ROWS16) {
     wq[0] = make_uint4(v[0][0], v[0][1], v[0][2], v[0][3]);
-    wq[Src<SRC>::WPT - 1] = make_uint4(v[1][0], v[1][WORDS - 3], v[1][WORDS - 2], v[1][WORDS - 1]);
+    wq[1] = make_uint4(v[1][0], v[1][1], v[1][2], v[1][3]);
   } else {
     wq[0] = make_uint4(v[0][0], v[0][1], v[1][0], v[1][1]);
   }
