@@ -15,7 +15,8 @@ CUDA kernels: ``cuda_mma`` (tensor cores on the tiled layout, fp16 / bf16 activa
 weight once, then torch's GEMM: large M), ``cuda_vec`` (CUDA cores, any dtype), ``cuda_naive``.
 
 ``cuda_mma`` in eager mode skips the Python op: :func:`ternary_linear` calls the C++ op
-``torch.ops.parity_ternary.mma`` (``csrc/ternary.cu``, ``TORCH_LIBRARY``; its configuration chosen in C++).
+``torch.ops.parity_ternary.mma`` (``csrc/ternary.cu``, ``TORCH_LIBRARY``; its configuration chosen in C++), or
+``mma_rows`` (the same kernel on the row layout) where the weight has no tiles.
 :func:`tiles_linear` serves every M from the tiled copy alone (the vLLM method's single resident copy under
 ``PARITY_TERNARY_RESIDENT=tiles``): that op up to MMA_MAX_M rows, else ``parity_ternary.dequant_tiles`` and
 torch's GEMM.
