@@ -239,8 +239,8 @@ void launch(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor
 // tiles int32 (NT, KC, 32, 4); tile (nt, c) covers rows 16 nt.. and inputs 128 c.., one uint4 per
 // lane, 512 contiguous bytes per warp. Or on the row layout itself (Src below): lane (g, t) reads words
 // of rows 16 nt + g and + 8 that hold its own run of inputs, whose pairs of fields are the A registers as
-// they are (one copy of the weight serves every M). A block owns TN consecutive row tiles and MB * 8 tokens; its
-// warps split the chunks of K (warp w takes c = w, w + W, ...) and add their partial sums in shared
+// they are (one copy of the weight serves every M). A block owns TN consecutive row tiles and MB * 8
+// tokens; its warps split the chunks of K (warp w takes c = w, w + W, ...) and add their partial sums in shared
 // memory at the end. Lane (g, t) of a warp meets inputs 128 c + 32 t .. + 31 of tokens g (+ 8 mb),
 // read as four 16-byte loads; each uint4 of weights decodes to the A registers of 8 k16 steps with a
 // shift and an AND per register (+-2.0 / 0 half2), against an fp32 accumulator: one instruction per
@@ -375,7 +375,9 @@ __device__ __forceinline__ void rows_a(uint32_t lo, uint32_t hi, uint32_t& a0, u
   a3 = pair_bits<2 * R + 1>(hi);
 }
 
-__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
 
 // Step s of a chunk takes inputs CK c + (CK / 4) t + 4 s .. + 3 of lane (g, t): a0 / a2 its first / second two
 // of row g, a1 / a3 those of row g + 8. Rows: word s / 4 of the lane's words of each row, pairs 2 (s % 4), + 1.
@@ -395,8 +397,10 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[TN][MB][4], const uint4 (
           a0 = pair_bits<0>(w); a1 = pair_bits<1>(w); a2 = pair_bits<2>(w); a3 = pair_bits<3>(w);
         }
       } else {
-        const uint32_t lo = SRC == SRC_ROWS16 ? word_of(wq[i][0], s >> 2) : s < 4 ? wq[i][0].x : wq[i][0].y;
-        const uint32_t hi = SRC == SRC_ROWS16 ? word_of(wq[i][Src<SRC>::WPT - 1], s >> 2) : s < 4 ? wq[i][0].z : wq[i][0].w;
+        const uint4& w_lo = wq[i][0];                  // ROWS16: row g; ROWS8: rows g (.x, .y) and g + 8
+        const uint4& w_hi = wq[i][Src<SRC>::WPT - 1];  // ROWS16: row g + 8
+        const uint32_t lo = SRC == SRC_ROWS16 ? word_of(w_lo, s >> 2) : s < 4 ? w_lo.x : w_lo.y;
+        const uint32_t hi = SRC == SRC_ROWS16 ? word_of(w_hi, s >> 2) : s < 4 ? w_lo.z : w_lo.w;
         switch (s & 3) {
           case 0: rows_a<0>(lo, hi, a0, a1, a2, a3); break;
           case 1: rows_a<1>(lo, hi, a0, a1, a2, a3); break;
