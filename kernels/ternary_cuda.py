@@ -95,8 +95,8 @@ def mma_config(m: int, n: int, k: int, rows: bool = False) -> dict:
     8 loads in flight where the grid has no more blocks than multiprocessors (registers then do not
     limit residency); 9-16 tokens, about four 128-input chunks per warp and a block per multiprocessor;
     above, 4 tiles and up to 8 warps per block. On the row layout (``rows``) up to 8 tokens: as many tiles as
-    leave 0.9 blocks per multiprocessor, a warp for every two 256-input chunks (up to 16), 4 loads in flight
-    (the H200 sweep of the row layout in benchmarks/NOTES.md).
+    leave 0.9 blocks per multiprocessor, a warp for every two 256-input chunks (up to 16), 4 loads in flight;
+    9-16 tokens: 4 tiles a block (the H200 sweep of the row layout in benchmarks/NOTES.md).
     """
     sms = _num_sms()
     nt, kc = -(-n // 16), -(-k // 128)
@@ -115,7 +115,7 @@ def mma_config(m: int, n: int, k: int, rows: bool = False) -> dict:
         loads = 8 if -(-nt // tn) <= sms else 4
         return {"tn": tn, "mb": 1, "warps": max(1, min(16, kc)), **launch, "loads": loads}
     if m <= 16:
-        return {"tn": tiles(0.9 * sms), "mb": 2, "warps": max(1, min(16, kc // 4)), **launch}
+        return {"tn": 4 if rows else tiles(0.9 * sms), "mb": 2, "warps": max(1, min(16, kc // 4)), **launch}
     return {"tn": 4, "mb": 2, "warps": max(1, min(8, kc // 4)), **launch}
 
 

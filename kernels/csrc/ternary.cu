@@ -915,7 +915,7 @@ MmaCfg mma_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size, int 
     c.warps = (int)std::max<int64_t>(1, std::min<int64_t>(16, kc));
     c.loads = (nt + c.tn - 1) / c.tn <= sms ? 8 : 4;
   } else if (m <= 16) {
-    c.tn = tiles(0.9 * sms);
+    c.tn = rows ? 4 : tiles(0.9 * sms);
     c.mb = 2;
     c.warps = (int)std::max<int64_t>(1, std::min<int64_t>(16, kc / 4));
   } else {
