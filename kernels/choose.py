@@ -124,7 +124,7 @@ ENV_TERNARY_RESIDENT = "PARITY_TERNARY_RESIDENT"
 TERNARY_RESIDENT = ("two", "rows", "tiles")
 # What the vLLM method keeps when PARITY_TERNARY_RESIDENT is unset. "two" (row layout + tiles). One copy costs
 # time on the H200 (benchmarks/NOTES.md): from the tiles alone 65 <= M <= ~200 runs 1.25-1.4x slower than
-# triton_mm on the row layout; from the rows alone cuda_mma runs 1-2 % slower at M = 1 and 7-32 % at M = 4..64.
+# triton_mm on the row layout; from the rows alone cuda_mma runs 1-2 % slower at M = 1 and 8-32 % at M = 4..64.
 # By the no-regression rule one copy is opt-in.
 TERNARY_RESIDENT_DEFAULT = "two"
 
