@@ -227,10 +227,11 @@ def eager_rows(copy_gbps: float) -> list[dict]:
             nat = next_native()
             return ternary_ops.tiles_linear(x, nat.tiles, nat.scale, None, nat.n, nat.k, nat.group_size,
                                             nat.act_quant)
+        mma_rows = ternary_cuda_ops().mma_rows
+
         def rows_direct():
             nat = next_native()
             return mma_rows(x, nat.qweight, nat.scale, None, nat.n, nat.k, nat.group_size, nat.act_quant)
-        mma_rows = ternary_cuda_ops().mma_rows
         fns = [("ternary", lambda: ternary_ops.ternary_linear(x, next_native())), ("parity_ternary.mma", direct),
                ("parity_ternary.mma_rows", rows_direct), ("tiles_linear", tiles), ("python_op", python_op)]
         for name, fn in fns:
@@ -357,7 +358,7 @@ def sweep_mma(copy_gbps: float, rows: bool = False) -> list[dict]:
                                                    nat.k, nat.group_size, nat.act_quant, config=cfg, rows=rows)
                 cands.append((cfg, fn))
             out += time_candidates("cuda_mma_rows" if rows else "cuda_mma", k, n, m, cands, len(natives),
-                                   default=ternary_cuda.mma_config(m, n, k))
+                                   default=ternary_cuda.mma_config(m, n, k, rows))
         del natives
     return out
 

@@ -125,10 +125,9 @@ def ternary_linear_op(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     if kernel == "cuda_mma":
         from vllm_parity.serving import ternary_cuda
 
-        if tiles is None:
-            return ternary_cuda.linear_mma(x, qweight, scale, bias, qweight.shape[0], k, group_size, act_quant,
-                                           rows=True)
-        return ternary_cuda.linear_mma(x, tiles, scale, bias, qweight.shape[0], k, group_size, act_quant)
+        rows = tiles is None
+        return ternary_cuda.linear_mma(x, qweight if rows else tiles, scale, bias, qweight.shape[0], k, group_size,
+                                       act_quant, rows=rows)
     if kernel == "cuda_dequant":
         from vllm_parity.serving import ternary_cuda
 
@@ -162,14 +161,21 @@ def ternary_linear(x: torch.Tensor, native: NativeTernary, bias: torch.Tensor | 
     if kernel == "cuda_mma" and not torch.compiler.is_compiling():
         from vllm_parity.serving import ternary_cuda
 
-        ops = ternary_cuda.ops()
-        if native.tiles is None:
-            return ops.mma_rows(x, native.qweight, native.scale, bias, native.n, native.k, native.group_size,
-                                native.act_quant)
-        return ops.mma(x, native.tiles, native.scale, bias, native.n, native.k, native.group_size, native.act_quant)
+        ternary_cuda.ops()
+        return cpp_mma(x, native.qweight, native.tiles, native.scale, bias, native.n, native.k, native.group_size,
+                       native.act_quant)
     y = torch.ops.vllm_parity.ternary_linear(x2, native.qweight, native.scale, bias, native.k,
                                              native.group_size, native.act_quant, kernel, native.tiles)
     return y.reshape(*x.shape[:-1], native.n)
+
+
+def cpp_mma(x: torch.Tensor, qweight: torch.Tensor, tiles: torch.Tensor | None, scale: torch.Tensor,
+            bias: torch.Tensor | None, n: int, k: int, group_size: int, act_quant: bool) -> torch.Tensor:
+    """``cuda_mma`` through the C++ op, x ``(..., K)``: on the tiles where there are any, else on the row layout
+    (``parity_ternary.mma_rows``). Load the ops first (``ternary_cuda.ops()``), outside compiled code."""
+    if tiles is None:
+        return torch.ops.parity_ternary.mma_rows(x, qweight, scale, bias, n, k, group_size, act_quant)
+    return torch.ops.parity_ternary.mma(x, tiles, scale, bias, n, k, group_size, act_quant)
 
 
 _EAGER_MMA: dict = {}

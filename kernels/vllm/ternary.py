@@ -222,13 +222,9 @@ def _ternary_op(layer, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str)
     if layer.parity_tiles_only:  # the C++ ops on the one tiled copy
         return ternary_ops.tiles_linear(x2, layer.parity_tiles, layer.parity_scale, bias, layer.parity_n,
                                         layer.parity_k, layer.parity_group_size, layer.parity_act_quant, kernel)
-    if kernel == "cuda_mma" and layer.parity_cpp_mma:
-        if layer.parity_tiles is None:  # PARITY_TERNARY_RESIDENT=rows: the row layout alone
-            return torch.ops.parity_ternary.mma_rows(x2, layer.parity_qweight, layer.parity_scale, bias,
-                                                     layer.parity_n, layer.parity_k, layer.parity_group_size,
-                                                     layer.parity_act_quant)
-        return torch.ops.parity_ternary.mma(x2, layer.parity_tiles, layer.parity_scale, bias, layer.parity_n,
-                                            layer.parity_k, layer.parity_group_size, layer.parity_act_quant)
+    if kernel == "cuda_mma" and layer.parity_cpp_mma:  # on the tiles, or the rows alone (PARITY_TERNARY_RESIDENT=rows)
+        return ternary_ops.cpp_mma(x2, layer.parity_qweight, layer.parity_tiles, layer.parity_scale, bias,
+                                   layer.parity_n, layer.parity_k, layer.parity_group_size, layer.parity_act_quant)
     return torch.ops.vllm_parity.ternary_linear(x2, layer.parity_qweight, layer.parity_scale, bias, layer.parity_k,
                                                 layer.parity_group_size, layer.parity_act_quant, kernel,
                                                 layer.parity_tiles)
