@@ -96,9 +96,16 @@ def ternary_weights(k: int, n: int, spec: TernarySpec, seed: int):
     return repack(pack_values(values, spec).cuda(), scale.to(torch.float16).cuda(), spec, n, k).with_tiles()
 
 
+def spec_of(name: str) -> TernarySpec:
+    """A preset by name, or ``group-G``: scales of G inputs (the seed layout otherwise)."""
+    if name.startswith("group-"):
+        return TernarySpec(scale_granularity="group", group_size=int(name[6:]))
+    return PRESETS[name]
+
+
 def bench_shape(k: int, n: int, ms: list[int], kernels: list[str], copy_gbps: float, spec_name: str,
                 dtype=torch.float16) -> list[dict]:
-    spec = PRESETS[spec_name]
+    spec = spec_of(spec_name)
     rows = []
     base = ternary_weights(k, n, spec, seed=k * 7 + n)
     # Bytes a kernel must read: the tensor-core kernel reads the tiled copy, the others the row layout.
@@ -118,6 +125,8 @@ def bench_shape(k: int, n: int, ms: list[int], kernels: list[str], copy_gbps: fl
                 continue
             if kernel == "cuda_dequant" and (m < 16 or spec.activation_quant):
                 continue
+            if kernel == "cuda_gemm" and m < 16:
+                continue
             if kernel in ("tiles_linear", "cuda_dequant_tiles") and m < 16:
                 continue  # cuda_mma's own rows there (the same C++ kernel)
             fn = _kernel_fn(kernel, x, next_native)
@@ -130,11 +139,11 @@ def bench_shape(k: int, n: int, ms: list[int], kernels: list[str], copy_gbps: fl
                                  error=f"{type(exc).__name__}: {exc}"[:500]))
                 print(f"  {kernel} K={k} N={n} M={m}: FAILED {exc}", file=sys.stderr)
                 continue
-            chosen = choose.ternary_kernel("auto", m, dtype, base.group_size, base.act_quant)
+            chosen = choose.ternary_kernel("auto", m, dtype, base.group_size, base.act_quant, tiled=True)
             if kernel in ("tiles_linear", "cuda_dequant_tiles"):
-                chosen = choose.ternary_tiles_kernel(m, dtype, base.group_size)
+                chosen = choose.ternary_tiles_kernel(m, dtype, base.group_size, base.act_quant)
             nat_bytes = tile_bytes if (chosen if kernel in ("ternary", "tiles_linear") else kernel) in (
-                "cuda_mma", "cuda_dequant_tiles") else row_bytes  # cuda_mma_rows: the row layout
+                "cuda_mma", "cuda_gemm", "cuda_dequant_tiles") else row_bytes  # cuda_mma_rows: the row layout
             gbps = (nat_bytes + io_bytes) / us / 1e3
             rows.append(dict(kernel=kernel, K=k, N=n, M=m, dtype=str(dtype).replace("torch.", ""),
                              preset=spec_name, median_us=round(us, 3), gbps=round(gbps, 1),
@@ -359,6 +368,34 @@ def sweep_mma(copy_gbps: float, rows: bool = False) -> list[dict]:
                 cands.append((cfg, fn))
             out += time_candidates("cuda_mma_rows" if rows else "cuda_mma", k, n, m, cands, len(natives),
                                    default=ternary_cuda.mma_config(m, n, k, rows))
+        del natives
+    return out
+
+
+def sweep_gemm(copy_gbps: float) -> list[dict]:
+    """Instances and splits of K of the GEMM on the tiles at the target shapes, 32 to 512 tokens; with group
+    scales of 128 at fewer points."""
+    from vllm_parity.serving import ternary_cuda
+
+    out = []
+    for (k, n), group in itertools.product([(4096, 14336), (14336, 4096)], (0, 128)):
+        spec = TernarySpec(scale_granularity="group", group_size=group) if group else PRESETS["seed-article"]
+        base = ternary_weights(k, n, spec, seed=1)
+        natives, next_native = rotating(lambda: repack_copy(base), base.nbytes)
+        for m in (64, 128, 256, 512) if group else (32, 64, 96, 128, 192, 256, 384, 512):
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            cands = []
+            instances = ternary_cuda.GEMM_GROUP_INSTANCES if group else ternary_cuda.GEMM_INSTANCES
+            for (bn, wg, stages), split in itertools.product(instances, (1, 2, 4, 8)):
+                cfg = dict(bn=bn, wg=wg, stages=stages, split=split)
+
+                def fn(cfg=cfg):
+                    nat = next_native()
+                    return ternary_cuda.linear_gemm(x, nat.tiles, nat.scale, None, nat.n, nat.k, nat.group_size,
+                                                    False, config=cfg)
+                cands.append((cfg, fn))
+            out += time_candidates("cuda_gemm", k, n, m, cands, len(natives), group_size=group,
+                                   default=ternary_cuda.gemm_config(m, n, k, group))
         del natives
     return out
 
@@ -626,6 +663,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also sweep the tensor-core kernel's blocks at the targets")
     ap.add_argument("--rows-sweep", action="store_true",
                     help="also sweep the tensor-core kernel on the row layout at the target shapes")
+    ap.add_argument("--gemm-sweep", action="store_true",
+                    help="also sweep the GEMM on the tiles (instances, splits) at the target shapes")
+    ap.add_argument("--group", action="store_true", help="also the rows of group scales (128 inputs)")
     ap.add_argument("--no-bitnet", action="store_true", help="skip the BitNet layout's rows")
     ap.add_argument("--sweep-triton", action="store_true", help="also sweep Triton block sizes at the targets")
     ap.add_argument("--floor", action="store_true", help="also time near-empty calls in the same harness")
@@ -660,6 +700,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"CUDA extension ready in {time.time() - t:.0f} s", flush=True)
             kernels += ["cuda_mma", "cuda_mma_rows", "tiles_linear", "cuda_dequant_tiles", "cuda_dequant", "cuda_vec",
                         "cuda_naive"]
+            if ternary_cuda.gemm_supported():
+                t = time.time()
+                ternary_cuda.gemm_extension()
+                print(f"CUDA GEMM extension ready in {time.time() - t:.0f} s", flush=True)
+                kernels.append("cuda_gemm")
     shapes = [(4096, 14336), (14336, 4096)] if args.quick else SHAPES
     ms = [int(v) for v in args.ms.split(",")] if args.ms else [1, 16, 512] if args.quick else MS
     result = dict(header=header, rows=[], sweep=[], int8x=[], floor=[], eager=[])
@@ -682,6 +727,10 @@ def main(argv: list[str] | None = None) -> int:
         result["sweep"] += sweep(copy_gbps)
     if args.sweep and "cuda_mma" in kernels:
         result["sweep"] += sweep_mma(copy_gbps)
+    if args.gemm_sweep and "cuda_gemm" in kernels:
+        result["sweep"] += sweep_gemm(copy_gbps)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
     if args.rows_sweep and "cuda_mma" in kernels:
         result["sweep"] += sweep_mma(copy_gbps, rows=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -695,7 +744,14 @@ def main(argv: list[str] | None = None) -> int:
         out_path.write_text(json.dumps(result, indent=1))  # partial results survive a time limit
     # The BitNet layout (activation quantization, divide, tensor scale) at the two target shapes.
     for k, n in [] if args.only_int8x or args.no_bitnet else [(4096, 14336), (14336, 4096)]:
-        result["rows"] += bench_shape(k, n, [1, 16, 128, 512], ["ternary", "tiles_linear"], copy_gbps, "hf-bitnet")
+        result["rows"] += bench_shape(k, n, [1, 16, 128, 512], ["ternary", "tiles_linear", "triton_mm"], copy_gbps,
+                                      "hf-bitnet")
+        out_path.write_text(json.dumps(result, indent=1))
+    # Group scales of 128 inputs: the kernels each copy of the weight serves them with.
+    for k, n in [(4096, 14336), (14336, 4096)] if args.group else []:
+        result["rows"] += bench_shape(k, n, [16, 64, 128, 256, 512], ["ternary", "tiles_linear", "triton_mm",
+                                                                      "cuda_mma", "cuda_dequant"], copy_gbps,
+                                      "group-128")
         out_path.write_text(json.dumps(result, indent=1))
     if not args.no_int8x and Path("kernels/int8x_ops.py").exists() and Path("kernels/int8x_triton.py").exists():
         try:
@@ -731,6 +787,19 @@ def summary(result: dict) -> str:
             if r:
                 lines.append(f"K={k:5d} N={n:5d} M={m:3d} one copy (tiles) {r['chosen']:>12s} {r['median_us']:9.2f} "
                              f"{r['baseline_us']:9.2f} {r['speedup']:8.2f} {r['bw_frac']:8.2f}")
+    # One resident copy (the tiles: tiles_linear's choice) against two (the row layout's kernels beside cuda_mma on
+    # the tiles: choose.ternary_kernel for an untiled weight, cuda_mma taken from the tiles).
+    lines.append("one copy against two                      one copy      us   two copies      us    ratio")
+    for (kernel, k, n, m, preset), r in sorted(rows.items(), key=lambda kv: (kv[0][4], kv[0][1], kv[0][3])):
+        if kernel != "tiles_linear":
+            continue
+        spec = spec_of(preset)
+        group = spec.group_size if spec.scale_granularity == "group" else 0
+        two = choose.ternary_kernel("auto", m, torch.float16, group, spec.activation_quant is not None)
+        t = rows.get((two, k, n, m, preset))
+        if t:
+            lines.append(f"{preset:12s} K={k:5d} N={n:5d} M={m:3d} {r['chosen']:>18s} {r['median_us']:7.2f} "
+                         f"{two:>12s} {t['median_us']:7.2f} {t['median_us'] / r['median_us']:8.2f}")
     for r in result.get("eager", []):
         lines.append(f"eager K={r['K']:5d} N={r['N']:5d} M=1 {r['kernel']:>20s} {r['median_us']:9.2f} "
                      f"{r['baseline_us']:9.2f} {r['speedup']:8.2f}")

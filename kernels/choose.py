@@ -17,6 +17,9 @@ ternary (kernels/ternary_ops.py; the op ``vllm_parity::ternary_linear`` runs the
       ``torch``          backend ``torch``
       ``triton_gemv``    backend ``triton``, M <= TRITON_GEMV_MAX_M; else ``triton_mm``
       on backend ``cuda``, or ``auto`` where the CUDA kernels build (``ternary_cuda.available()``):
+      ``cuda_gemm``      the weight tiled, GEMM_MIN_M <= M < DEQUANT_MIN_M (any M >= GEMM_MIN_M with activation
+                         quantization), :func:`ternary_gemm_eligible` (``cuda_mma``'s cases, on compute
+                         capability 9.0: wgmma)
       ``cuda_mma``       M <= MMA_MAX_M, fp16 / bf16, group size a multiple of 128 (:func:`ternary_mma_eligible`;
                          0 = no groups); on the tiled weight where there is one, else on the row layout
       ``cuda_dequant``   M >= DEQUANT_MIN_M, fp16 / bf16, no activation quantization
@@ -24,12 +27,12 @@ ternary (kernels/ternary_ops.py; the op ``vllm_parity::ternary_linear`` runs the
       ``auto`` otherwise: the ``triton`` choice for M. ``cuda_naive`` is never chosen (tests and benchmarks
       name it).
     resident copies (the vLLM method), :func:`ternary_resident`: ``PARITY_TERNARY_RESIDENT``
-    (:data:`ENV_TERNARY_RESIDENT`) = ``rows`` keeps only the row layout (every kernel above reads it); ``tiles``
-    only the tiled layout (:func:`ternary_tiles_only`: backend ``cuda`` / ``auto`` builds the CUDA kernels and the
-    layer's dtype and group size suit ``cuda_mma``); ``two`` (default) the row layout and the tiles; from the tiles
-    alone,
-    :func:`ternary_tiles_kernel` (:data:`TERNARY_TILES_KERNELS`): ``cuda_mma`` for M <= MMA_MAX_M, else
-    ``cuda_dequant_tiles`` (dense weight from the tiles, torch's GEMM).
+    (:data:`ENV_TERNARY_RESIDENT`) = ``rows`` keeps only the row layout (every kernel above but ``cuda_gemm``
+    reads it); ``tiles`` only the tiled layout (:func:`ternary_tiles_only`: backend ``cuda`` / ``auto`` builds the
+    CUDA kernels and the layer's dtype and group size suit ``cuda_mma``); ``two`` the row layout and the tiles;
+    ``auto`` (default) the tiles alone where ``cuda_gemm`` serves the layer, else two copies. From the tiles
+    alone, :func:`ternary_tiles_kernel` (:data:`TERNARY_TILES_KERNELS`): ``cuda_gemm`` where eligible as above,
+    else ``cuda_mma`` for M <= MMA_MAX_M, else ``cuda_dequant_tiles`` (dense weight from the tiles, torch's GEMM).
 
 int8x (kernels/int8x_ops.py: the stored streams; kernels/int8x_native.py: the native layout; kernels/vllm/int8x.py)
     layout, :func:`int8x_layout`: ``auto`` (default) serves the native layout where it takes no more memory
@@ -69,14 +72,16 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 # -- ternary ----------------------------------------------------------------------------------------
 
 TERNARY_BACKENDS = ("torch", "triton", "cuda", "auto")
-TERNARY_KERNELS = ("torch", "triton_gemv", "triton_mm", "cuda_naive", "cuda_vec", "cuda_mma", "cuda_dequant")
+TERNARY_KERNELS = ("torch", "triton_gemv", "triton_mm", "cuda_naive", "cuda_vec", "cuda_mma", "cuda_gemm",
+                   "cuda_dequant")
 # From the tiled copy alone (the vLLM method's one resident copy; ternary_ops.tiles_linear).
-TERNARY_TILES_KERNELS = ("cuda_mma", "cuda_dequant_tiles")
+TERNARY_TILES_KERNELS = ("cuda_mma", "cuda_gemm", "cuda_dequant_tiles")
 
 # M thresholds between kernels (measured on an H200, benchmarks/NOTES.md).
 TRITON_GEMV_MAX_M = 1
 AUTO_CUDA_VEC_MAX_M = 2
 MMA_MAX_M = 64
+GEMM_MIN_M = 33
 DEQUANT_MIN_M = 384
 
 
@@ -100,9 +105,26 @@ def ternary_mma_eligible(dtype: torch.dtype | None, group_size: int) -> bool:
     return dtype in HALF_DTYPES and group_size % 128 == 0
 
 
+def ternary_gemm_eligible(dtype: torch.dtype | None, group_size: int) -> bool:
+    """Whether the GEMM on the tiles ``cuda_gemm`` takes the case, whatever M: ``cuda_mma``'s cases, where it
+    runs (compute capability 9.0 and nvcc: ``ternary_cuda.gemm_supported``)."""
+    if not ternary_mma_eligible(dtype, group_size):
+        return False
+    from vllm_parity.serving import ternary_cuda
+
+    return ternary_cuda.gemm_supported()
+
+
+def _gemm_rows(m: int, act_quant: bool) -> bool:
+    """The row counts ``cuda_gemm`` serves (the H200 figures in benchmarks/NOTES.md): from GEMM_MIN_M, below
+    DEQUANT_MIN_M where the dense weight and cuBLAS are faster, which do not quantize activations."""
+    return m >= GEMM_MIN_M and (m < DEQUANT_MIN_M or act_quant)
+
+
 def ternary_kernel(backend: str, m: int, dtype: torch.dtype | None = None, group_size: int = 0,
-                   act_quant: bool = False) -> str:
-    """The kernel a backend runs for ``m`` rows: a Python decision on shapes, dtypes and flags only."""
+                   act_quant: bool = False, tiled: bool = False) -> str:
+    """The kernel a backend runs for ``m`` rows: a Python decision on shapes, dtypes and flags only; ``tiled``:
+    the weight has its tiled copy (``cuda_gemm`` reads only that)."""
     if backend == "torch":
         return "torch"
     if backend == "triton":
@@ -111,6 +133,8 @@ def ternary_kernel(backend: str, m: int, dtype: torch.dtype | None = None, group
 
     cuda = backend == "cuda" or ternary_cuda.available()
     half = dtype in HALF_DTYPES
+    if cuda and tiled and _gemm_rows(m, act_quant) and ternary_gemm_eligible(dtype, group_size):
+        return "cuda_gemm"
     if cuda and m <= MMA_MAX_M and ternary_mma_eligible(dtype, group_size):
         return "cuda_mma"
     if cuda and m >= DEQUANT_MIN_M and half and not act_quant:
@@ -121,25 +145,27 @@ def ternary_kernel(backend: str, m: int, dtype: torch.dtype | None = None, group
 
 
 ENV_TERNARY_RESIDENT = "PARITY_TERNARY_RESIDENT"
-TERNARY_RESIDENT = ("two", "rows", "tiles")
-# What the vLLM method keeps when PARITY_TERNARY_RESIDENT is unset. "two" (row layout + tiles). One copy costs
-# time on the H200 (benchmarks/NOTES.md): from the tiles alone 65 <= M <= ~200 runs 1.25-1.4x slower than
-# triton_mm on the row layout; from the rows alone cuda_mma runs 1-2 % slower at M = 1 and 8-32 % at M = 4..64.
-# By the no-regression rule one copy is opt-in.
-TERNARY_RESIDENT_DEFAULT = "two"
+TERNARY_RESIDENT = ("auto", "two", "rows", "tiles")
+# What the vLLM method keeps when PARITY_TERNARY_RESIDENT is unset: the tiles alone where cuda_gemm serves the
+# layer (from them every M is as fast as from two copies, or faster: benchmarks/NOTES.md), else the row layout
+# and the tiles (from the tiles alone 65 <= M <= ~200 would run 1.25-1.4x slower, the dense weight's GEMM
+# against triton_mm on the row layout).
+TERNARY_RESIDENT_DEFAULT = "auto"
 
 
 def ternary_resident(backend: str, dtype: torch.dtype | None, group_size: int) -> str:
     """The ternary weight copies the vLLM method keeps: ``rows`` (the row layout alone, 2 bits a weight: other
     backends than ``cuda`` / ``auto``, or ``PARITY_TERNARY_RESIDENT`` = ``rows``), ``tiles`` (only the tiled layout,
-    2 bits a weight: :func:`ternary_tiles_only` and ``PARITY_TERNARY_RESIDENT`` = ``tiles``) or ``rows+tiles``
-    (the row layout and the tiled copy, 4 bits a weight: backend ``cuda`` / ``auto`` otherwise; the default,
-    TERNARY_RESIDENT_DEFAULT)."""
+    2 bits a weight: where :func:`ternary_tiles_only`, for ``PARITY_TERNARY_RESIDENT`` = ``tiles``, and for ``auto``
+    where :func:`ternary_gemm_eligible` too) or ``rows+tiles`` (the row layout and the tiled copy, 4 bits a weight:
+    backend ``cuda`` / ``auto`` otherwise)."""
     choice = os.environ.get(ENV_TERNARY_RESIDENT) or TERNARY_RESIDENT_DEFAULT
     if choice not in TERNARY_RESIDENT:
         raise ValueError(f"{ENV_TERNARY_RESIDENT} = {choice!r}, expected one of {TERNARY_RESIDENT}")
     if backend not in ("cuda", "auto") or choice == "rows":
         return "rows"
+    if choice == "auto":
+        choice = "tiles" if ternary_gemm_eligible(dtype, group_size) else "two"
     return "tiles" if choice == "tiles" and ternary_tiles_only(backend, dtype, group_size) else "rows+tiles"
 
 
@@ -155,10 +181,12 @@ def ternary_tiles_only(backend: str, dtype: torch.dtype | None, group_size: int)
     return ternary_cuda.available()
 
 
-def ternary_tiles_kernel(m: int, dtype: torch.dtype | None, group_size: int) -> str:
-    """The kernel for ``m`` rows from the tiled copy alone (``ternary_ops.tiles_linear``): ``cuda_mma`` for
-    M <= MMA_MAX_M where eligible, else ``cuda_dequant_tiles`` (the dense weight decoded from the tiles, then
-    torch's GEMM; any dtype)."""
+def ternary_tiles_kernel(m: int, dtype: torch.dtype | None, group_size: int, act_quant: bool = False) -> str:
+    """The kernel for ``m`` rows from the tiled copy alone (``ternary_ops.tiles_linear``): ``cuda_gemm`` where
+    it serves (as in :func:`ternary_kernel`), else ``cuda_mma`` for M <= MMA_MAX_M where eligible, else
+    ``cuda_dequant_tiles`` (the dense weight decoded from the tiles, then torch's GEMM; any dtype)."""
+    if _gemm_rows(m, act_quant) and ternary_gemm_eligible(dtype, group_size):
+        return "cuda_gemm"
     if m <= MMA_MAX_M and ternary_mma_eligible(dtype, group_size):
         return "cuda_mma"
     return "cuda_dequant_tiles"

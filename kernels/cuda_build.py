@@ -32,9 +32,11 @@ def _probe() -> bool:
 
 
 def arch_flags() -> list[str]:
-    """Machine code for the current card (sm_90 on the H100 / H200), so its own instructions are used."""
+    """Machine code for the current card, so its own instructions are used: sm_90a on the H100 / H200 (wgmma
+    needs the arch-specific target; its code runs on compute capability 9.0 only, which is this card)."""
     major, minor = torch.cuda.get_device_capability()
-    return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
+    arch = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+    return [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
 
 
 class LazyExtension:

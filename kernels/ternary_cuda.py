@@ -1,4 +1,5 @@
-"""CUDA ternary kernels (``csrc/ternary.cu``): naive, vectorized, tensor-core (tiled layout), dequantize.
+"""CUDA ternary kernels (``csrc/ternary.cu``): naive, vectorized, tensor-core (tiled layout), dequantize; and
+the GEMM on the tiles for many tokens (``csrc/ternary_gemm.cu``, wgmma: compute capability 9.0 only).
 
 Built with ``torch.utils.cpp_extension.load`` on first use only, so importing this module never
 compiles anything and works on machines without nvcc or a GPU.
@@ -15,6 +16,7 @@ import torch
 from vllm_parity.serving.cuda_build import LazyExtension, available  # noqa: F401  (available: re-exported)
 
 extension = LazyExtension("vllm_parity_ternary", "ternary.cu", "ternary CUDA kernels")
+gemm_extension = LazyExtension("vllm_parity_ternary_gemm", "ternary_gemm.cu", "the ternary GEMM (wgmma)")
 ENV_PDL = "PARITY_MMA_PDL"  # "0": launch the tensor-core kernel without programmatic dependent launch
 
 
@@ -34,10 +36,14 @@ def ops():
       (``NativeTernary.qweight``) instead of the tiles.
     - ``dequant_tiles(tiles, scale, n, k, group_size, dtype)``: the dense ``(N, K)`` weight (scale folded
       in) from the tiled layout.
+    - ``gemm(x, tiles, scale, bias, n, k, group_size, act_quant)``: the GEMM on the tiles (``csrc/ternary_gemm.cu``,
+      its launch chosen in C++), where it runs (:func:`gemm_supported`).
     """
     global _fakes_done
     if not _fakes_done:
         extension()
+        if gemm_supported():
+            gemm_extension()
         with _fakes_lock:
             if not _fakes_done:
                 _register_fakes()
@@ -53,6 +59,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("parity_ternary::mma_rows")
     def _mma_rows_fake(x, qweight, scale, bias, n, k, group_size, act_quant):
         return x.new_empty((*x.shape[:-1], n))
+
+    if gemm_supported():
+        @torch.library.register_fake("parity_ternary::gemm")
+        def _gemm_fake(x, tiles, scale, bias, n, k, group_size, act_quant):
+            return x.new_empty((*x.shape[:-1], n))
 
     @torch.library.register_fake("parity_ternary::dequant_tiles")
     def _dequant_tiles_fake(tiles, scale, n, k, group_size, dtype):
@@ -193,3 +204,72 @@ def linear_dequant(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, 
         raise TypeError(f"ternary kernel 'cuda_dequant' takes fp16 or bf16 x, got {x.dtype}")
     w = dequant(qweight, scale, k, group_size, x.dtype)
     return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+@torch.compiler.assume_constant_result  # compiled callers see a constant, not a device query
+def gemm_supported() -> bool:
+    """Whether the GEMM on the tiles runs here: wgmma, built for sm_90a, needs compute capability 9.0."""
+    return available() and _capability() == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability() -> tuple[int, int]:
+    return torch.cuda.get_device_capability(torch.cuda.current_device())
+
+
+def tile_order(k: int) -> torch.Tensor:
+    """Where each input of K sits in the tiles' k order (the GEMM's copy of x): input 128 c + r at 128 c + p(r),
+    with lane t = r // 32, step s = (r // 4) % 8, element e = r % 4 of a chunk at column 2 t + e (e < 2) or
+    8 + 2 t + e - 2 of step s (the mma.m16n8k16 A fragment that lane's tile uint4 decodes to)."""
+    r = torch.arange(128)
+    t, s, e = r // 32, (r // 4) % 8, r % 4
+    pos = 16 * s + torch.where(e < 2, 2 * t + e, 8 + 2 * t + e - 2)
+    kc = -(-k // 128)
+    return (torch.arange(kc).unsqueeze(1) * 128 + pos).reshape(-1)[:k]
+
+
+# (bn, wg, stages) compiled: tokens and warpgroups (64 rows each) a block, shared-memory stages.
+GEMM_INSTANCES = ((64, 1, 4), (64, 1, 6), (64, 2, 4), (64, 4, 4), (128, 1, 3), (128, 2, 3), (128, 2, 4), (128, 4, 3),
+                  (128, 4, 4))
+GEMM_GROUP_INSTANCES = ((64, 1, 4), (64, 2, 4), (128, 2, 3))  # with group scales
+
+
+def gemm_config(m: int, n: int, k: int, group_size: int = 0) -> dict:
+    """Tokens (bn) and warpgroups (wg, 64 rows each) a block, pipeline stages and split of K of the GEMM, the
+    rule of the C++ op (``gemm_auto_config``): up to 64 tokens blocks of 64 tokens x 256 rows (x 128 with group
+    scales), above 128 x 128; K split in two until the grid would pass the blocks a multiprocessor holds (2 of
+    128 x 128 without group scales, else 1), at most 8 ways and 8 chunks a split. From the H200 sweep in
+    benchmarks/NOTES.md."""
+    small = m <= 64
+    bn, wg, stages = (64, 2 if group_size else 4, 4) if small else (128, 2, 3)
+    per_sm = 2 if (bn, wg) == (128, 2) and not group_size else 1
+    blocks = -(-n // (64 * wg)) * -(-m // bn)
+    kc = -(-k // 128)
+    split = 1
+    while split < 8 and blocks * split * 2 <= per_sm * _num_sms() and kc // (split * 2) >= 8:
+        split *= 2
+    return {"bn": bn, "wg": wg, "stages": stages, "split": split}
+
+
+def gemm_cpp_config(m: int, n: int, k: int, group_size: int) -> dict:
+    """The launch the C++ op ``parity_ternary.gemm`` chooses for this shape (for tests)."""
+    bn, wg, stages, split = gemm_extension().gemm_auto_config(m, n, k, group_size)
+    return {"bn": bn, "wg": wg, "stages": stages, "split": split}
+
+
+def linear_gemm(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
+                group_size: int, act_quant: bool, config: dict | None = None) -> torch.Tensor:
+    """``y = x @ W^T (+ bias)`` on the tiled layout with the weight decoded inside the GEMM (wgmma); x fp16 or
+    bf16 (M, K), any strides; group sizes a multiple of 128 (0: one scale a row)."""
+    _check_mma_args(x, tiles, scale, n, k, group_size)
+    if not gemm_supported():
+        raise RuntimeError("ternary gemm needs a GPU of compute capability 9.0 (wgmma) and nvcc")
+    cfg = dict(gemm_config(x.shape[0], n, k, group_size), **(config or {}))
+    instances = GEMM_GROUP_INSTANCES if group_size else GEMM_INSTANCES
+    if (cfg["bn"], cfg["wg"], cfg["stages"]) not in instances:
+        raise ValueError(f"ternary gemm: no instance for {cfg}{' with group scales' if group_size else ''}; "
+                         f"compiled (bn, wg, stages): {instances}")
+    if int(cfg["split"]) < 1:
+        raise ValueError(f"ternary gemm: split must be >= 1, got {cfg['split']}")
+    return gemm_extension().gemm(x, tiles, scale, bias, n, k, group_size, act_quant, cfg["bn"], cfg["wg"],
+                                 cfg["stages"], int(cfg["split"]))

@@ -11,15 +11,16 @@ device), ``triton`` (GPU, or the CPU through ``TRITON_INTERPRET=1``), ``cuda`` (
 CPU, ``auto`` on CUDA.
 
 CUDA kernels: ``cuda_mma`` (tensor cores on the tiled layout, fp16 / bf16 activations, small M; needs
-``NativeTernary.tiles`` and group sizes that are multiples of 128), ``cuda_dequant`` (the dense
-weight once, then torch's GEMM: large M), ``cuda_vec`` (CUDA cores, any dtype), ``cuda_naive``.
+``NativeTernary.tiles`` and group sizes that are multiples of 128), ``cuda_gemm`` (the GEMM on the tiles for
+many tokens, wgmma: compute capability 9.0), ``cuda_dequant`` (the dense weight once, then torch's GEMM: large
+M), ``cuda_vec`` (CUDA cores, any dtype), ``cuda_naive``.
 
 ``cuda_mma`` in eager mode skips the Python op: :func:`ternary_linear` calls the C++ op
 ``torch.ops.parity_ternary.mma`` (``csrc/ternary.cu``, ``TORCH_LIBRARY``; its configuration chosen in C++), or
 ``mma_rows`` (the same kernel on the row layout) where the weight has no tiles.
-:func:`tiles_linear` serves every M from the tiled copy alone (the vLLM method's single resident copy under
-``PARITY_TERNARY_RESIDENT=tiles``): that op up to MMA_MAX_M rows, else ``parity_ternary.dequant_tiles`` and
-torch's GEMM.
+:func:`tiles_linear` serves every M from the tiled copy alone (the vLLM method's single resident copy where
+``cuda_gemm`` runs, or under ``PARITY_TERNARY_RESIDENT=tiles``): ``parity_ternary.gemm``, that op, or
+``parity_ternary.dequant_tiles`` and torch's GEMM, by ``choose.ternary_tiles_kernel``.
 """
 
 from __future__ import annotations
@@ -128,6 +129,13 @@ def ternary_linear_op(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
         rows = tiles is None
         return ternary_cuda.linear_mma(x, qweight if rows else tiles, scale, bias, qweight.shape[0], k, group_size,
                                        act_quant, rows=rows)
+    if kernel == "cuda_gemm":
+        from vllm_parity.serving import ternary_cuda
+
+        if tiles is None:
+            raise ValueError("ternary kernel 'cuda_gemm' reads the tiled layout: the weight has no tiles "
+                             "(NativeTernary.with_tiles)")
+        return ternary_cuda.linear_gemm(x, tiles, scale, bias, qweight.shape[0], k, group_size, act_quant)
     if kernel == "cuda_dequant":
         from vllm_parity.serving import ternary_cuda
 
@@ -146,7 +154,7 @@ def ternary_linear(x: torch.Tensor, native: NativeTernary, bias: torch.Tensor | 
     if x.shape[-1] != native.k:
         raise ValueError(f"x has {x.shape[-1]} input features, the ternary weight expects {native.k}")
     if (backend is None and x.is_cuda and not torch.compiler.is_compiling()
-            and x.numel() <= choose.MMA_MAX_M * native.k and _eager_mma(x.dtype, native.group_size)):
+            and x.numel() < choose.GEMM_MIN_M * native.k and _eager_mma(x.dtype, native.group_size)):
         # Eager and small M: the C++ op (configuration chosen in C++), no Python op wrapper per call; the same
         # decision as choose.ternary_kernel below, made once per (dtype, group size, environment). Compiled
         # callers keep the Python custom op below, which runs the same kernel.
@@ -157,11 +165,14 @@ def ternary_linear(x: torch.Tensor, native: NativeTernary, bias: torch.Tensor | 
                           native.act_quant)
     x2 = x.reshape(-1, native.k)
     kernel = choose.ternary_kernel(choose.ternary_backend(backend, x.device), x2.shape[0], x.dtype,
-                                   native.group_size, native.act_quant)
-    if kernel == "cuda_mma" and not torch.compiler.is_compiling():
+                                   native.group_size, native.act_quant, tiled=native.tiles is not None)
+    if kernel in ("cuda_mma", "cuda_gemm") and not torch.compiler.is_compiling():
         from vllm_parity.serving import ternary_cuda
 
         ternary_cuda.ops()
+        if kernel == "cuda_gemm":  # the C++ op, its launch chosen in C++
+            return torch.ops.parity_ternary.gemm(x, native.tiles, native.scale, bias, native.n, native.k,
+                                                 native.group_size, native.act_quant)
         return cpp_mma(x, native.qweight, native.tiles, native.scale, bias, native.n, native.k, native.group_size,
                        native.act_quant)
     y = torch.ops.vllm_parity.ternary_linear(x2, native.qweight, native.scale, bias, native.k,
@@ -206,14 +217,16 @@ def _eager_mma(dtype: torch.dtype, group_size: int) -> bool:
 def tiles_linear(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
                  group_size: int, act_quant: bool, kernel: str | None = None) -> torch.Tensor:
     """``y = x @ W^T (+ bias)`` for ``x`` ``(..., K)`` from the tiled copy alone (``NativeTernary.tiles``: the one
-    resident copy of the vLLM method under ``PARITY_TERNARY_RESIDENT=tiles``, 2 bits a weight), by
-    :func:`choose.ternary_tiles_kernel` (or ``kernel``): ``cuda_mma`` (the C++ tensor-core op) or
-    ``cuda_dequant_tiles`` (the dense weight decoded from the tiles, then torch's GEMM). Calls
+    resident copy of the vLLM method, 2 bits a weight), by :func:`choose.ternary_tiles_kernel` (or ``kernel``):
+    ``cuda_gemm`` (the C++ GEMM op), ``cuda_mma`` (the C++ tensor-core op) or ``cuda_dequant_tiles`` (the dense
+    weight decoded from the tiles, then torch's GEMM). Calls
     ``torch.ops.parity_ternary`` directly: load it first (``ternary_cuda.ops()``), outside compiled code."""
     m = x.numel() // k if k else 0
-    kernel = kernel or choose.ternary_tiles_kernel(m, x.dtype, group_size)
+    kernel = kernel or choose.ternary_tiles_kernel(m, x.dtype, group_size, act_quant)
     if kernel == "cuda_mma":
         return torch.ops.parity_ternary.mma(x, tiles, scale, bias, n, k, group_size, act_quant)
+    if kernel == "cuda_gemm":
+        return torch.ops.parity_ternary.gemm(x, tiles, scale, bias, n, k, group_size, act_quant)
     if kernel != "cuda_dequant_tiles":
         raise ValueError(f"unknown tiles kernel {kernel!r}; expected one of {choose.TERNARY_TILES_KERNELS}")
     lead = x.shape[:-1]

@@ -6,18 +6,24 @@ import importlib
 import importlib.util
 import time
 
+# (module, its extension, the module's predicate that the extension builds and runs here)
+EXTENSIONS = [("vllm_parity.serving.ternary_cuda", "extension", "available"),
+              ("vllm_parity.serving.ternary_cuda", "gemm_extension", "gemm_supported"),
+              ("vllm_parity.serving.int8x_cuda", "extension", "available"),
+              ("vllm_parity.serving.int8x_planes_cuda", "extension", "available")]
 
-def build(name: str) -> str:
+
+def build(entry: tuple[str, str, str]) -> str:
+    name, attr, ok = entry
     t = time.time()
     mod = importlib.import_module(name)
-    if not mod.available():
-        return f"{name}: no nvcc or GPU"
-    mod.extension()
-    return f"{name}: built in {time.time() - t:.0f} s"
+    if not getattr(mod, ok)():
+        return f"{name}.{attr}: not here ({ok}() is false: no nvcc, no GPU or not its compute capability)"
+    getattr(mod, attr)()
+    return f"{name}.{attr}: built in {time.time() - t:.0f} s"
 
 
-names = [n for n in ("vllm_parity.serving.ternary_cuda", "vllm_parity.serving.int8x_cuda",
-                     "vllm_parity.serving.int8x_planes_cuda") if importlib.util.find_spec(n)]
-with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
-    for line in pool.map(build, names):
+entries = [e for e in EXTENSIONS if importlib.util.find_spec(e[0])]
+with concurrent.futures.ThreadPoolExecutor(len(entries)) as pool:
+    for line in pool.map(build, entries):
         print(line, flush=True)

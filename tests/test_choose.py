@@ -78,6 +78,17 @@ def test_ternary_kernel_choice_is_by_shape_only():
     assert choose.ternary_kernel("cuda", 4096, half) == "cuda_dequant"
     assert choose.ternary_kernel("cuda", 4096, half, act_quant=True) == "cuda_vec"
     assert choose.ternary_kernel("auto", 4096) == "triton_mm"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ternary_cuda, "gemm_supported", lambda: True)
+        assert choose.ternary_kernel("cuda", 64, half, 0, tiled=True) == "cuda_gemm"
+        assert choose.ternary_kernel("cuda", 64, half, 0) == "cuda_mma", "cuda_gemm reads only the tiles"
+        assert choose.ternary_kernel("cuda", 32, half, 0, tiled=True) == "cuda_mma"
+        assert choose.ternary_kernel("cuda", 383, torch.bfloat16, 256, tiled=True) == "cuda_gemm"
+        assert choose.ternary_kernel("cuda", 384, half, 0, tiled=True) == "cuda_dequant"
+        assert choose.ternary_kernel("cuda", 4096, half, 0, act_quant=True, tiled=True) == "cuda_gemm"
+        assert choose.ternary_kernel("cuda", 64, half, 64, tiled=True) == "cuda_vec", "group 64 is not the GEMM's"
+        mp.setattr(ternary_cuda, "gemm_supported", lambda: False)
+        assert choose.ternary_kernel("cuda", 64, half, 0, tiled=True) == "cuda_mma"
     if ternary_cuda.available():
         assert choose.ternary_kernel("auto", 1) == "cuda_vec"
         assert choose.ternary_kernel("auto", 1, half, 0) == "cuda_mma"
@@ -95,11 +106,19 @@ def test_ternary_mma_eligible():
     assert not choose.ternary_mma_eligible(None, 0)
 
 
+def _gemm_serves(m: int, dtype, group: int, act_quant: bool, gemm_runs: bool) -> bool:
+    """choose.py's docstring for cuda_gemm, written independently of its code (the weight tiled, a CUDA backend)."""
+    return (gemm_runs and dtype in (torch.float16, torch.bfloat16) and group % 128 == 0 and m >= choose.GEMM_MIN_M
+            and (m < choose.DEQUANT_MIN_M or act_quant))
+
+
 def _ternary_eligible(kernel: str, backend: str, m: int, dtype, group: int, act_quant: bool,
-                      cuda_builds: bool) -> bool:
+                      cuda_builds: bool, tiled: bool = False, gemm_runs: bool = False) -> bool:
     """What choose.py's docstring promises for each kernel, written independently of its code."""
     half = dtype in (torch.float16, torch.bfloat16)
     cuda = backend == "cuda" or backend == "auto" and cuda_builds
+    if kernel == "cuda_gemm":
+        return cuda and tiled and _gemm_serves(m, dtype, group, act_quant, gemm_runs)
     if kernel == "torch":
         return backend == "torch"
     if kernel == "triton_gemv":
@@ -137,43 +156,56 @@ def test_ternary_backend_is_listed_or_refused(backend, env, device, interpret):
 @PROPERTY
 @given(backend=st.sampled_from(choose.TERNARY_BACKENDS), m=MS, dtype=st.sampled_from(DTYPES),
        group=st.sampled_from([0, 4, 32, 64, 128, 192, 256, 512]), act_quant=st.booleans(),
-       cuda_builds=st.booleans())
-def test_ternary_kernel_is_listed_and_eligible(backend, m, dtype, group, act_quant, cuda_builds):
+       cuda_builds=st.booleans(), tiled=st.booleans(), gemm_runs=st.booleans())
+def test_ternary_kernel_is_listed_and_eligible(backend, m, dtype, group, act_quant, cuda_builds, tiled, gemm_runs):
+    """Every choice is listed and eligible; cuda_gemm is taken wherever it serves (its rows, a tiled weight)."""
+    gemm_runs = gemm_runs and cuda_builds  # it runs only where the CUDA kernels build
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ternary_cuda, "available", lambda: cuda_builds)
-        kernel = choose.ternary_kernel(backend, m, dtype, group, act_quant)
+        mp.setattr(ternary_cuda, "gemm_supported", lambda: gemm_runs)
+        kernel = choose.ternary_kernel(backend, m, dtype, group, act_quant, tiled=tiled)
+    what = f"{kernel} chosen for backend={backend} m={m} {dtype} group={group} act_quant={act_quant} tiled={tiled}"
     assert kernel in choose.TERNARY_KERNELS
-    assert _ternary_eligible(kernel, backend, m, dtype, group, act_quant, cuda_builds), \
-        f"{kernel} chosen for backend={backend} m={m} {dtype} group={group} act_quant={act_quant}"
+    assert _ternary_eligible(kernel, backend, m, dtype, group, act_quant, cuda_builds, tiled, gemm_runs), what
+    cuda = backend == "cuda" or backend == "auto" and cuda_builds
+    assert (kernel == "cuda_gemm") == (cuda and tiled and _gemm_serves(m, dtype, group, act_quant, gemm_runs)), what
 
 
 @PROPERTY
 @given(backend=st.sampled_from(choose.TERNARY_BACKENDS), dtype=st.sampled_from(DTYPES),
-       group=st.sampled_from([0, 4, 64, 128, 192, 256, 512]), cuda_builds=st.booleans(), m=MS)
-def test_ternary_one_resident_copy(backend, dtype, group, cuda_builds, m):
-    """The vLLM method keeps only the tiles exactly where the tensor-core kernel serves the layer; from the tiles
-    alone every M has a kernel: cuda_mma up to MMA_MAX_M where eligible, else the dense weight from the tiles."""
+       group=st.sampled_from([0, 4, 64, 128, 192, 256, 512]), cuda_builds=st.booleans(), m=MS,
+       act_quant=st.booleans(), gemm_runs=st.booleans())
+def test_ternary_one_resident_copy(backend, dtype, group, cuda_builds, m, act_quant, gemm_runs):
+    """The vLLM method may keep only the tiles exactly where the tensor-core kernel serves the layer; from the tiles
+    alone every M has a kernel: cuda_gemm where it serves, else cuda_mma up to MMA_MAX_M where eligible, else the
+    dense weight from the tiles."""
+    gemm_runs = gemm_runs and cuda_builds
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ternary_cuda, "available", lambda: cuda_builds)
+        mp.setattr(ternary_cuda, "gemm_supported", lambda: gemm_runs)
         only = choose.ternary_tiles_only(backend, dtype, group)
+        kernel = choose.ternary_tiles_kernel(m, dtype, group, act_quant)
     half = dtype in (torch.float16, torch.bfloat16)
     assert only == (backend in ("cuda", "auto") and cuda_builds and half and group % 128 == 0)
-    kernel = choose.ternary_tiles_kernel(m, dtype, group)
     assert kernel in choose.TERNARY_TILES_KERNELS
     eligible = half and group % 128 == 0
-    assert (kernel == "cuda_mma") == (m <= choose.MMA_MAX_M and eligible), (kernel, m, dtype, group)
+    gemm = _gemm_serves(m, dtype, group, act_quant, gemm_runs)
+    assert (kernel == "cuda_gemm") == gemm, (kernel, m, dtype, group, act_quant)
+    assert (kernel == "cuda_mma") == (not gemm and m <= choose.MMA_MAX_M and eligible), (kernel, m, dtype, group)
 
 
 @PROPERTY
 @given(backend=st.sampled_from(choose.TERNARY_BACKENDS), dtype=st.sampled_from(DTYPES),
-       group=st.sampled_from([0, 64, 128, 256]), cuda_builds=st.booleans(),
-       env=st.sampled_from([None, "", "one", "two", "rows", "tiles", "both"]))
-def test_ternary_resident(backend, dtype, group, cuda_builds, env):
-    """Two copies (rows and tiles) by default on CUDA backends; the row layout alone when asked for and off CUDA
-    backends; the tiles alone when asked for where they serve every M; a bad value is refused, naming the
-    variable."""
+       group=st.sampled_from([0, 64, 128, 256]), cuda_builds=st.booleans(), gemm_runs=st.booleans(),
+       env=st.sampled_from([None, "", "auto", "one", "two", "rows", "tiles", "both"]))
+def test_ternary_resident(backend, dtype, group, cuda_builds, gemm_runs, env):
+    """By default on CUDA backends the tiles alone where cuda_gemm serves the layer, else two copies (rows and
+    tiles); two copies when asked for; the row layout alone when asked for and off CUDA backends; the tiles alone
+    when asked for where they serve every M; a bad value is refused, naming the variable."""
+    gemm_runs = gemm_runs and cuda_builds
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ternary_cuda, "available", lambda: cuda_builds)
+        mp.setattr(ternary_cuda, "gemm_supported", lambda: gemm_runs)
         if env is None:
             mp.delenv(choose.ENV_TERNARY_RESIDENT, raising=False)
         else:
@@ -184,9 +216,11 @@ def test_ternary_resident(backend, dtype, group, cuda_builds, env):
             return
         got = choose.ternary_resident(backend, dtype, group)
         only = choose.ternary_tiles_only(backend, dtype, group)
+    choice = env or choose.TERNARY_RESIDENT_DEFAULT
+    gemm = gemm_runs and dtype in (torch.float16, torch.bfloat16) and group % 128 == 0
     if backend not in ("cuda", "auto") or env == "rows":
         assert got == "rows"
-    elif only and (env or choose.TERNARY_RESIDENT_DEFAULT) == "tiles":
+    elif only and (choice == "tiles" or choice == "auto" and gemm):
         assert got == "tiles"
     else:
         assert got == "rows+tiles"

@@ -96,7 +96,7 @@ def test_the_ternary_method_reports_the_kernel_apply_runs():
 
     from vllm_parity.serving.vllm.ternary import TernaryLinearMethod
 
-    layer = SimpleNamespace(parity_tiles_only=False, parity_backend="triton", parity_group_size=0,
+    layer = SimpleNamespace(parity_tiles_only=False, parity_tiles=None, parity_backend="triton", parity_group_size=0,
                             parity_act_quant=False)
     method = TernaryLinearMethod.__new__(TernaryLinearMethod)
     assert [method.kernel_for(layer, m, torch.float32) for m in (1, 2, 4)] == ["triton_gemv", "triton_mm", "triton_mm"]

@@ -95,6 +95,23 @@ def test_kernel_choice_follows_the_kernel_linear(monkeypatch):
     assert kernel_for(torch.nn.Linear(2, 2), 1, torch.float32, cpu) is None
 
 
+def test_recorded_kernel_of_a_tiled_ternary_linear_is_the_gemm_where_it_runs(monkeypatch):
+    """A kernel linear holds its tiles on CUDA, and the GEMM on them runs 33..383 rows where it builds: the record
+    names it there, and on both sides of its lower bound."""
+    from vllm_parity.harness.kernel_candidate import kernel_for, kernels_of
+    from vllm_parity.serving import ternary_cuda
+
+    s = ParitySession(Options(candidate="kernels"))
+    q = s._kernel_model().get_submodule("model.layers.0.self_attn.q_proj")
+    q.native = q.native.with_tiles()  # as on CUDA (tiled on the CPU: the choice reads only whether there are tiles)
+    monkeypatch.setattr(ternary_cuda, "available", lambda: True)
+    monkeypatch.setattr(ternary_cuda, "gemm_supported", lambda: True)
+    cuda = torch.device("cuda")
+    assert [kernel_for(q, m, torch.bfloat16, cuda) for m in (32, 33, 383, 384)] == \
+        ["cuda_mma", "cuda_gemm", "cuda_gemm", "cuda_dequant"]
+    assert kernels_of(q, torch.bfloat16, cuda) == ["cuda_mma", "cuda_gemm", "cuda_dequant"]
+
+
 # in CI the sliding-window and expert families; the rest in the nightly gate
 FAMILIES = ["gemma2", "mixtral", *(pytest.param(a, marks=pytest.mark.nightly)
                                    for a in ("qwen2", "gemma3_text", "phi3", "bitnet"))]

@@ -23,6 +23,7 @@ if not os.environ.get("TRITON_INTERPRET"):
     if not _torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+import itertools
 import math
 
 import pytest
@@ -531,23 +532,32 @@ def _mma_emulated(nt: int, kc: int, x: torch.Tensor, word_pair, ck: int = 128) -
     for tile in range(nt):
         for c in range(kc):
             for step in range(ck // 16):
-                a = torch.zeros(16, 16, dtype=torch.float64)
+                a = _a_fragment(word_pair, tile, c, step)
                 b = torch.zeros(16, 8, dtype=torch.float64)
                 for lane in range(32):
                     g, t = divmod(lane, 4)
-                    for reg in range(4):
-                        word, pair = word_pair(tile, c, lane, step, reg)
-                        row, col = g + 8 * (reg % 2), 2 * t + 8 * (reg // 2)
-                        for half in range(2):
-                            # the kernel's decode: field on bits 14..15 of the half, read as +-2.0 / 0
-                            f = (word >> (2 * pair + 16 * half)) & 3
-                            a[row, col + half] = 2.0 * (f & 1) * (1 - (f & 2))
                     if g < m:
                         base = c * ck + ck // 4 * t + 4 * step
                         b[2 * t:2 * t + 2, g] = xp[g, base:base + 2]
                         b[2 * t + 8:2 * t + 10, g] = xp[g, base + 2:base + 4]
                 y[:, tile * 16:tile * 16 + 16] += (a @ b)[:, :m].t()
     return y / 2.0
+
+
+def _a_fragment(word_pair, tile: int, c: int, step: int) -> torch.Tensor:
+    """The 16 x 16 A operand of one k16 step as the lanes' registers hold it (PTX mma.m16n8k16, and each warp's
+    share of wgmma m64nNk16): lane 4 g + t, register r at row g + 8 (r % 2), columns 2 t + 8 (r // 2), + 1."""
+    a = torch.zeros(16, 16, dtype=torch.float64)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for reg in range(4):
+            word, pair = word_pair(tile, c, lane, step, reg)
+            row, col = g + 8 * (reg % 2), 2 * t + 8 * (reg // 2)
+            for half in range(2):
+                # the kernel's decode: field on bits 14..15 of the half, read as +-2.0 / 0
+                f = (word >> (2 * pair + 16 * half)) & 3
+                a[row, col + half] = 2.0 * (f & 1) * (1 - (f & 2))
+    return a
 
 
 def _tiles_word_pair(tiles: torch.Tensor):
@@ -584,6 +594,32 @@ def test_tiles_feed_mma_fragments(n, k):
     for words_a_lane, ck in ((2, 128), (4, 256)):
         y = _mma_emulated(nt, -(-k // ck), x, _rows_word_pair(pack_native(values), words_a_lane), ck)[:, :n]
         assert torch.allclose(y, ref, atol=1e-12), f"rows {ck}: max |err| {(y - ref).abs().max().item()}"
+
+
+@pytest.mark.parametrize("n, k", [(16, 128), (70, 300), (5, 4)])
+def test_tile_order_feeds_wgmma(n, k):
+    """The GEMM's copy of x (input i at ternary_cuda.tile_order(K)[i], zeros elsewhere), read by wgmma in its
+    natural k order as B, against the tiles decoded into the A fragments (each warp of a warpgroup the
+    mma.m16n8k16 A fragment of its row tile): x @ W^T."""
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    values = torch.randint(-1, 2, (n, k), generator=gen)
+    x = torch.randn(5, k, generator=gen, dtype=torch.float64)
+    tiles = pack_tiles(values)
+    nt, kc = tiles.shape[:2]
+    order = ternary_cuda.tile_order(k)
+    assert sorted(order.tolist()) == sorted(set(order.tolist())) and int(order.max()) < kc * 128
+    xs = torch.zeros(5, kc * 128, dtype=torch.float64)
+    xs[:, order] = x
+    word_pair = _tiles_word_pair(tiles)
+    y = torch.zeros(5, nt * 16, dtype=torch.float64)
+    for tile in range(nt):
+        for c in range(kc):
+            for step in range(8):
+                a = _a_fragment(word_pair, tile, c, step)
+                base = c * 128 + 16 * step
+                y[:, tile * 16:tile * 16 + 16] += (a @ xs[:, base:base + 16].t()).t()
+    ref = x @ values.to(torch.float64).t()
+    assert torch.allclose(y[:, :n] / 2.0, ref, atol=1e-12), f"max |err| {(y[:, :n] / 2.0 - ref).abs().max()}"
 
 
 def test_native_rejects_bad_tiles():
@@ -934,13 +970,17 @@ def test_gpu_cpp_ops_in_cuda_graphs(m):
     nat = built["native"].with_tiles()
     x = built["x"].clone()
     ternary_cuda.ops()
-
-    def both():
-        return (ternary_ops.ternary_linear(x, nat, built["bias"]),
-                ternary_ops.tiles_linear(x, nat.tiles, nat.scale, built["bias"], nat.n, nat.k, nat.group_size,
-                                         nat.act_quant))
+    both = _entry_and_tiles(x, nat, built["bias"])
     both()
     _check_graph_replays(both, ("public entry point", "tiles_linear"), built, case, f"M={m}", 3)
+
+
+def _entry_and_tiles(x, nat, bias):
+    """Both eager ways to the C++ ops: the public entry point and tiles_linear (the vLLM method's one copy)."""
+    def both():
+        return (ternary_ops.ternary_linear(x, nat, bias),
+                ternary_ops.tiles_linear(x, nat.tiles, nat.scale, bias, nat.n, nat.k, nat.group_size, nat.act_quant))
+    return both
 
 
 @pytest.mark.gpu
@@ -994,3 +1034,143 @@ def test_gpu_tiles_linear_torch_compile():
     fn = torch.compile(lambda x: ternary_ops.tiles_linear(x, nat.tiles, nat.scale, None, nat.n, nat.k,
                                                           nat.group_size, nat.act_quant), fullgraph=True)
     check(fn(built["x"]), built, case, "torch.compile(tiles_linear)")
+
+
+# The GEMM on the tiles (csrc/ternary_gemm.cu, wgmma): compute capability 9.0 only.
+needs_gemm = pytest.mark.skipif(not (CUDA and ternary_cuda.gemm_supported()),
+                                reason="the ternary GEMM needs a GPU of compute capability 9.0 (wgmma) and nvcc")
+
+
+def _gemm_case(spec, m, n, k, dtype, seed, layout="contiguous", bias=True):
+    return dict(spec=spec, m=m, n=n, k=k, dtype=dtype, scale_dtype=torch.bfloat16, weights="random",
+                activations="normal", layout=layout, bias=bias, seed=seed)
+
+
+@pytest.mark.gpu
+@needs_gemm
+def test_gpu_gemm_stages_x_in_tile_order():
+    """The C++ placement of a chunk's inputs is tile_order, the one the CPU test checks against the fragments."""
+    ext = ternary_cuda.gemm_extension()
+    assert [ext.tile_pos(r) for r in range(128)] == ternary_cuda.tile_order(128).tolist()
+
+
+_GEMM_SHAPES = [(1, 64, 128, 1), (130, 200, 1000, 1), (300, 520, 2100, 3), (64, 4096, 4096, 4), (257, 1040, 640, 2),
+                (200, 300, 1152, 2)]  # (M, N, K, split)
+
+
+@pytest.mark.gpu
+@needs_gemm
+@pytest.mark.parametrize("inst, m, n, k, split", [
+    *(((*i, False), *shape) for i in ternary_cuda.GEMM_INSTANCES for shape in _GEMM_SHAPES),
+    # group scales: K a multiple of 128 and more than one group
+    *(((*i, True), *shape) for i in ternary_cuda.GEMM_GROUP_INSTANCES for shape in _GEMM_SHAPES
+      if shape[2] % 128 == 0 and shape[2] > 128)])
+def test_gpu_gemm_matches_reference(inst, m, n, k, split):
+    """Every compiled instance, split or not, ragged M, N and K: fp16 with bias on a contiguous x; bf16 with
+    activation quantization on a strided x (NaN between its elements); group scales of 128 (or 256) inputs."""
+    bn, wg, stages, group = inst
+    variants = [(PRESETS["seed-article"], torch.float16, "contiguous"), (PRESETS["hf-bitnet"], torch.bfloat16, "strided")]
+    if group:
+        gs = 256 if k % 256 == 0 else 128
+        variants = [(TernarySpec(scale_granularity="group", group_size=gs), dtype, layout)
+                    for _, dtype, layout in variants]
+    for i, (spec, dtype, layout) in enumerate(variants):
+        case = _gemm_case(spec, m, n, k, dtype, seed=m + n + k + i, layout=layout, bias=i == 0)
+        built = build(case, "cuda")
+        nat = built["native"].with_tiles()
+        assert bool(nat.group_size) == group, f"case {describe(case)}: group size {nat.group_size}"
+        with poisoned_empty():
+            out = ternary_cuda.linear_gemm(shaped(built["x"], layout), nat.tiles, nat.scale, built["bias"], n, k,
+                                           nat.group_size, nat.act_quant,
+                                           config=dict(bn=bn, wg=wg, stages=stages, split=split))
+        check(out, built, case, f"cuda_gemm {inst} split {split} {dtype}")
+
+
+@pytest.mark.gpu
+@needs_gemm
+@settings(max_examples=int(os.environ.get("PARITY_GPU_EXAMPLES", "60")), **HYP)
+@given(case=cases(max_m=600, max_n=700, max_k=1500, dtypes=(torch.float16, torch.bfloat16)))
+def test_gpu_gemm_default_config_hypothesis(case):
+    """The default launch on any case it takes (fp16 / bf16, group sizes a multiple of 128), through the op."""
+    assume(case["layout"] != "3d")
+    assume(eligible("cuda_mma", case))
+    built = build(case, "cuda")
+    nat = built["native"].with_tiles()
+    x = shaped(built["x"], case["layout"])
+    with poisoned_empty():
+        out = ternary_ops.ternary_linear_op(x, nat.qweight, nat.scale, built["bias"], nat.k, nat.group_size,
+                                            nat.act_quant, "cuda_gemm", nat.tiles)
+    check(out, built, case, "cuda_gemm")
+
+
+@pytest.mark.gpu
+@needs_gemm
+@pytest.mark.parametrize("split", [1, 4])
+def test_gpu_gemm_in_cuda_graph_and_nan(split):
+    """Replays of a captured GEMM write the reference every time; a NaN in one token's activations makes
+    that token's outputs NaN and no other's."""
+    case = _gemm_case(PRESETS["seed-article"], 200, 1024, 4096, torch.float16, seed=90 + split)
+    built = build(case, "cuda")
+    nat = built["native"].with_tiles()
+    x = built["x"].clone()
+    cfg = dict(bn=128, wg=2, stages=3, split=split)
+
+    def run():
+        return (ternary_cuda.linear_gemm(x, nat.tiles, nat.scale, built["bias"], nat.n, nat.k, 0, False, config=cfg),)
+    run()
+    _check_graph_replays(run, ("cuda_gemm",), built, case, f"split {split}", 3)
+    x[150, 333] = float("nan")
+    out = run()[0]
+    assert bool(out[150].isnan().all()), "the NaN token's outputs must all be NaN"
+    assert bool(torch.isfinite(out[torch.arange(200) != 150]).all()), "other tokens must stay finite"
+
+
+@pytest.mark.gpu
+@needs_gemm
+def test_gpu_gemm_refuses_what_it_cannot_take():
+    case = _gemm_case(TernarySpec(scale_granularity="group", group_size=64), 80, 64, 256, torch.float16, seed=3)
+    built = build(case, "cuda")
+    nat = built["native"].with_tiles()
+    with pytest.raises(ValueError, match="group size 64 is not a multiple of 128"):
+        ternary_cuda.linear_gemm(built["x"], nat.tiles, nat.scale, None, nat.n, nat.k, nat.group_size, False)
+    case = _gemm_case(PRESETS["seed-article"], 80, 64, 256, torch.float16, seed=3)
+    built = build(case, "cuda")
+    nat = built["native"].with_tiles()
+    with pytest.raises(ValueError, match="no instance"):
+        ternary_cuda.linear_gemm(built["x"], nat.tiles, nat.scale, None, nat.n, nat.k, 0, False,
+                                 config=dict(bn=32, wg=1, stages=4, split=1))
+    with pytest.raises(ValueError, match="no instance .* with group scales"):
+        ternary_cuda.linear_gemm(built["x"], nat.tiles, nat.scale.repeat(1, 2).contiguous(), None, nat.n, nat.k,
+                                 128, False, config=dict(bn=128, wg=4, stages=4, split=1))
+    with pytest.raises(ValueError, match="has no tiles"):
+        ternary_ops.ternary_linear_op(built["x"], nat.qweight, nat.scale, None, nat.k, 0, False, "cuda_gemm")
+
+
+@pytest.mark.gpu
+@needs_gemm
+def test_gpu_gemm_cpp_config_is_python_config():
+    for m, n, k, group in itertools.product((1, 33, 64, 65, 200, 384, 1000), (64, 4096, 14336), (256, 4096, 14336),
+                                            (0, 128)):
+        assert ternary_cuda.gemm_cpp_config(m, n, k, group) == ternary_cuda.gemm_config(m, n, k, group), (m, n, k, group)
+
+
+@pytest.mark.gpu
+@needs_gemm
+@pytest.mark.parametrize("m", [33, 100, 300])
+def test_gpu_public_entry_point_and_tiles_linear_take_the_gemm(m):
+    """Where cuda_gemm serves, the public entry point (eager C++ op) and tiles_linear (the vLLM method's one copy)
+    run it: the reference, eager, from a CUDA graph and under torch.compile."""
+    case = _gemm_case(PRESETS["seed-article"], m, 1000, 2048, torch.bfloat16, seed=60 + m)
+    built = build(case, "cuda")
+    nat = built["native"].with_tiles()
+    assert choose.ternary_kernel("auto", m, torch.bfloat16, 0, False, tiled=True) == "cuda_gemm"
+    assert choose.ternary_tiles_kernel(m, torch.bfloat16, 0) == "cuda_gemm"
+    x = built["x"].clone()
+    ternary_cuda.ops()
+    both = _entry_and_tiles(x, nat, built["bias"])
+    for out, what in zip(both(), ("public entry point", "tiles_linear")):
+        check(out, built, case, f"{what} eager")
+    _check_graph_replays(both, ("public entry point", "tiles_linear"), built, case, f"M={m}", 2)
+    fn = torch.compile(lambda x: ternary_ops.tiles_linear(x, nat.tiles, nat.scale, built["bias"], nat.n, nat.k,
+                                                          nat.group_size, nat.act_quant), fullgraph=True)
+    check(fn(x), built, case, "torch.compile(tiles_linear)")

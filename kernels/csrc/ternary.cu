@@ -21,10 +21,12 @@
 #include <vector>
 
 #include "dtypes.cuh"
+#include "ternary_tiles.cuh"
 
 namespace {
 
 using parity::from_f;
+using parity::pair_bits;
 using parity::to_f;
 
 __host__ __device__ constexpr int field_bit(int e) { return 2 * (e >> 1) + 16 * (e & 1); }
@@ -63,25 +65,9 @@ __global__ void act_quant_kernel(const T* __restrict__ x, int64_t sxm, int64_t s
   pdl_wait();
   const int m = blockIdx.x;
   const T* row = x + (int64_t)m * sxm;
-  float amax = 0.f;
-  for (int k = threadIdx.x; k < K; k += blockDim.x) amax = fmaxf(amax, fabsf(to_f(row[(int64_t)k * sxk])));
-  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  __shared__ float warp_max[32];
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = amax;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float v = threadIdx.x < (blockDim.x >> 5) ? warp_max[threadIdx.x] : 0.f;
-    for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if (threadIdx.x == 0) warp_max[0] = v;
-  }
-  __syncthreads();
-  const float s = __fdiv_rn(127.0f, fmaxf(warp_max[0], 1e-5f));
-  for (int k = threadIdx.x; k < K; k += blockDim.x) {
-    // __fmul_rn keeps x * s_x rounded to fp32 before rintf, as the fp32 reference does.
-    float q = rintf(__fmul_rn(to_f(row[(int64_t)k * sxk]), s));
-    q = fminf(fmaxf(q, -128.f), 127.f);
-    xq[(int64_t)m * K + k] = from_f<T>(q);
-  }
+  const float s = parity::row_quant_scale(row, sxk, K);
+  for (int k = threadIdx.x; k < K; k += blockDim.x)
+    xq[(int64_t)m * K + k] = from_f<T>(parity::quant_level(to_f(row[(int64_t)k * sxk]), s));
   if (threadIdx.x == 0) sx[m] = s;
 }
 
@@ -245,7 +231,8 @@ void launch(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor
 // read as four 16-byte loads; each uint4 of weights decodes to the A registers of 8 k16 steps with a
 // shift and an AND per register (+-2.0 / 0 half2), against an fp32 accumulator: one instruction per
 // two weights besides the MMAs, so the kernel streams the 2-bit weights at memory speed.
-constexpr int TILE_N = 16, TILE_K = 128;
+using parity::TILE_K;
+using parity::TILE_N;
 
 // d += a * b for one m16n8k16 tile, fp32 accumulators; PTX_T names T in the instruction.
 template <typename T> struct MmaOp;
@@ -334,8 +321,6 @@ __device__ __forceinline__ void load_weights(uint4 (&wq)[Src<SRC>::WPT], const v
   }
 }
 
-template <int P> __device__ __forceinline__ uint32_t pair_bits(uint32_t w) { return (w << (14 - 2 * P)) & 0xC000C000u; }
-
 // The run of NQ * 8 activations of one lane for a chunk (zeros past K or past M).
 template <typename T, int NQ>
 __device__ __forceinline__ void load_x(uint4 (&xv)[NQ], const T* __restrict__ x, int64_t sxm, int m, int M, int K,
@@ -390,12 +375,7 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[TN][MB][4], const uint4 (
     for (int i = 0; i < TN; ++i) {
       uint32_t a0, a1, a2, a3;
       if constexpr (SRC == SRC_TILES) {
-        const uint32_t w = word_of(wq[i][0], s >> 1);
-        if (s & 1) {
-          a0 = pair_bits<4>(w); a1 = pair_bits<5>(w); a2 = pair_bits<6>(w); a3 = pair_bits<7>(w);
-        } else {
-          a0 = pair_bits<0>(w); a1 = pair_bits<1>(w); a2 = pair_bits<2>(w); a3 = pair_bits<3>(w);
-        }
+        parity::tile_a(wq[i][0], s, a0, a1, a2, a3);
       } else {
         const uint4& w_lo = wq[i][0];                  // ROWS16: row g; ROWS8: rows g (.x, .y) and g + 8
         const uint4& w_hi = wq[i][Src<SRC>::WPT - 1];  // ROWS16: row g + 8
@@ -638,10 +618,7 @@ torch::Tensor linear_mma(const torch::Tensor& x, const torch::Tensor& w, bool ro
                     w.size(1) == (k + 15) / 16,
                 "qweight must be contiguous int32 (N, ceil(K/16)) for N=", n, " K=", k);
   } else {
-    TORCH_CHECK(w.scalar_type() == torch::kInt32 && w.is_contiguous() && w.dim() == 4 &&
-                    w.size(0) == (n + TILE_N - 1) / TILE_N && w.size(1) == (k + TILE_K - 1) / TILE_K &&
-                    w.size(2) == 32 && w.size(3) == 4,
-                "tiles must be contiguous int32 (ceil(N/16), ceil(K/128), 32, 4) for N=", n, " K=", k);
+    parity::check_tiles(w, n, k, "ternary mma kernel");
   }
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.size(0) == n,
               "scale must be contiguous fp32 (N, G)");
@@ -797,13 +774,16 @@ __global__ void dequant_tiles_kernel(const uint32_t* __restrict__ tiles, const f
     const int n = nt * TILE_N + g + 8 * rs;
     if (n >= N) continue;
     const float* srow = scale + (int64_t)n * G;
+    // The 8 inputs share a group where the group size is a multiple of 8: one scale (a division) for all.
+    const bool one_scale = G == 1 || GS % 8 == 0;
+    const float s8 = G == 1 ? srow[0] : srow[min(k0, K - 1) / GS];
     __align__(16) T v[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int p = 4 * (e >> 2) + 2 * ((e >> 1) & 1) + rs, bit = 2 * p + 16 * (e & 1);
       const float f = __uint_as_float((word << (30 - bit)) & 0xC0000000u);  // +-2.0 or 0
       const int k = min(k0 + e, K - 1);  // padding past K: a zero weight, never a scale past the row
-      v[e] = from_f<T>(0.5f * f * (G == 1 ? srow[0] : srow[k / GS]));
+      v[e] = from_f<T>(0.5f * f * (one_scale ? s8 : srow[k / GS]));
     }
     T* out = w + (int64_t)n * K + k0;
     if (vec && k0 + 8 <= K) {
@@ -821,10 +801,7 @@ __global__ void dequant_tiles_kernel(const uint32_t* __restrict__ tiles, const f
 torch::Tensor ternary_dequant_tiles(const torch::Tensor& tiles, const torch::Tensor& scale, int64_t n, int64_t k,
                                     int64_t group_size, c10::ScalarType dtype) {
   TORCH_CHECK(tiles.is_cuda() && scale.is_cuda(), "ternary dequant_tiles needs CUDA tensors");
-  TORCH_CHECK(tiles.scalar_type() == torch::kInt32 && tiles.is_contiguous() && tiles.dim() == 4 &&
-                  tiles.size(0) == (n + TILE_N - 1) / TILE_N && tiles.size(1) == (k + TILE_K - 1) / TILE_K &&
-                  tiles.size(2) == 32 && tiles.size(3) == 4,
-              "tiles must be contiguous int32 (ceil(N/16), ceil(K/128), 32, 4) for N=", n, " K=", k);
+  parity::check_tiles(tiles, n, k, "ternary dequant_tiles");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.dim() == 2 &&
                   scale.size(0) == n,
               "scale must be contiguous fp32 (N, G)");

@@ -144,10 +144,10 @@ class TernaryLinearMethod(LinearMethodBase):
         _release(layer, (spec.weight_name, spec.scale_name))
         layer.parity_group_size = native.group_size
         layer.parity_backend = choose.ternary_backend(None, packed.device)
-        # PARITY_TERNARY_RESIDENT=tiles: one resident copy of the weight (2 bits a weight), the tiled layout where
-        # the tensor-core kernel serves this layer (every row count is then served from it:
-        # ternary_ops.tiles_linear); =rows: the row layout alone (every kernel reads it); else the row layout
-        # + tiles on CUDA. Buffers, so that moving the module moves the kernel-layout weight with it.
+        # One resident copy of the weight (2 bits a weight), the tiled layout, where the GEMM on the tiles serves
+        # this layer (or PARITY_TERNARY_RESIDENT=tiles where the tensor-core kernel does): every row count is then
+        # served from it (ternary_ops.tiles_linear); =rows: the row layout alone; else the row layout + tiles on
+        # CUDA (choose.ternary_resident). Buffers, so that moving the module moves the kernel-layout weight with it.
         resident = choose.ternary_resident(layer.parity_backend, getattr(layer, "parity_params_dtype", None),
                                            native.group_size)
         layer.parity_tiles_only = resident == "tiles"
@@ -198,15 +198,17 @@ class TernaryLinearMethod(LinearMethodBase):
     def kernels(self, layer, dtype: torch.dtype) -> tuple[str, ...]:
         """Every kernel ``apply`` may run on this layer, over all row counts: its choice on each side of every
         M threshold (the branches a run may leave untaken)."""
-        bounds = (choose.TRITON_GEMV_MAX_M, choose.AUTO_CUDA_VEC_MAX_M, choose.MMA_MAX_M, choose.DEQUANT_MIN_M)
+        bounds = (choose.TRITON_GEMV_MAX_M, choose.AUTO_CUDA_VEC_MAX_M, choose.GEMM_MIN_M - 1, choose.MMA_MAX_M,
+                  choose.DEQUANT_MIN_M)
         rows = sorted({1, *(b + d for b in bounds for d in (0, 1))})
         return tuple(dict.fromkeys(self.kernel_for(layer, m, dtype) for m in rows))
 
 
 def _kernel(layer, m: int, dtype: torch.dtype) -> str:
     if layer.parity_tiles_only:
-        return choose.ternary_tiles_kernel(m, dtype, layer.parity_group_size)
-    return choose.ternary_kernel(layer.parity_backend, m, dtype, layer.parity_group_size, layer.parity_act_quant)
+        return choose.ternary_tiles_kernel(m, dtype, layer.parity_group_size, layer.parity_act_quant)
+    return choose.ternary_kernel(layer.parity_backend, m, dtype, layer.parity_group_size, layer.parity_act_quant,
+                                 tiled=layer.parity_tiles is not None)
 
 
 def _cuda_builds() -> bool:

@@ -53,8 +53,9 @@ class _Biased(nn.Module):
 # -- which kernel a kernel linear runs ---------------------------------------------------------------
 
 # Row counts on each side of every threshold in choose.py: the choices over them are every branch a layer may take.
-_BOUNDS = (choose.TRITON_GEMV_MAX_M, choose.AUTO_CUDA_VEC_MAX_M, choose.MMA_MAX_M, choose.DEQUANT_MIN_M,
-           choose.INT8X_NATIVE_GEMV_MAX_M, choose.INT8X_GEMM_MIN_M, choose.INT8X_PLANES_GEMV_MAX_M)
+_BOUNDS = (choose.TRITON_GEMV_MAX_M, choose.AUTO_CUDA_VEC_MAX_M, choose.GEMM_MIN_M - 1, choose.MMA_MAX_M,
+           choose.DEQUANT_MIN_M, choose.INT8X_NATIVE_GEMV_MAX_M, choose.INT8X_GEMM_MIN_M,
+           choose.INT8X_PLANES_GEMV_MAX_M)
 
 
 def kernel_for(module: nn.Module, m: int, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -68,7 +69,8 @@ def kernel_for(module: nn.Module, m: int, dtype: torch.dtype, device: torch.devi
     if isinstance(module, ternary_ops.KernelLinear):
         native = module.native
         backend = choose.ternary_backend(module.backend, device)
-        return choose.ternary_kernel(backend, m, dtype, native.group_size, native.act_quant)
+        return choose.ternary_kernel(backend, m, dtype, native.group_size, native.act_quant,
+                                     tiled=native.tiles is not None)
     if isinstance(module, int8x_ops.KernelLinear):
         if module.layout == "native":
             return "native_" + choose.int8x_native_kernel(choose.int8x_native_backend(module.backend, device), m)

@@ -1,0 +1,457 @@
+// Ternary GEMM on the tiled layout for many tokens (Hopper, sm_90a): y = x @ W^T (+ bias), the 2-bit tiles
+// decoded inside the main loop into wgmma's register A operand, x read from shared memory as B; no dense weight.
+//
+// tiles int32 (NT, KC, 32, 4) (kernels/ternary_repack.py, pack_tiles): lane (g, t) of tile (nt, c) holds rows
+// 16 nt + g, + 8 at inputs 128 c + 32 t .. + 31; step s (0..7) of its uint4 decodes (a shift and an AND a
+// register, parity::tile_a) to the mma.m16n8k16 A fragment whose k16 columns 2 t, 2 t + 1 / 2 t + 8, 2 t + 9 are
+// inputs 128 c + 32 t + 4 s, + 1 / + 2, + 3. wgmma m64nNk16 takes, from each warp w of a warpgroup, that same
+// fragment for rows 16 w..: a warpgroup takes 4 consecutive row tiles as they are. B must follow the tiles' k
+// order, so x is first copied (stage_x_kernel) to xs (M, Kp = 128 KC) with input 128 c + r at 128 c + tile_pos(r),
+// zeros past K, quantized per token where the preset quantizes activations. A block of WG warpgroups (64 WG
+// rows) x BN tokens walks its chunks of K through STAGES shared-memory stages filled by cp.async: x with the
+// 128-byte swizzle wgmma reads (two 64-input halves of BN rows of 128 bytes), the block's weight tiles beside
+// it. split > 1 cuts K across blocks: each writes its fp32 partial, finish_kernel adds them in order. Group
+// scales (a multiple of 128 inputs) scale each chunk's sums, held apart, once its MMAs are done.
+
+#include <torch/extension.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include <mutex>
+#include <type_traits>
+#include <vector>
+
+#include "dtypes.cuh"
+#include "launch.cuh"
+#include "ternary_tiles.cuh"
+
+namespace {
+
+using parity::from_f;
+using parity::to_f;
+
+using parity::TILE_K;
+using parity::TILE_N;
+
+// Where input r (0..127) of a chunk sits in the tiles' k order: lane t = r / 32, step s = (r / 4) % 8, element
+// e = r % 4 is column 2 t + e (e < 2) or 8 + 2 t + e - 2 of step s.
+__host__ __device__ constexpr int tile_pos(int r) {
+  return 16 * ((r >> 2) & 7) + ((r & 3) < 2 ? 2 * (r >> 5) + (r & 3) : 8 + 2 * (r >> 5) + (r & 3) - 2);
+}
+
+// x (M, K) (any strides) to xs (M, Kp) in the tiles' k order, zeros past K; with QUANT the per-token int8
+// levels (in x's dtype) and their scales sx. One block per token, a thread per 8 inputs (one 16-byte load
+// where x's rows allow it), stored as 4 pairs: a pair stays adjacent (tile_pos(r + 1) = tile_pos(r) + 1, r even).
+template <typename T, bool QUANT>
+__global__ void stage_x_kernel(const T* __restrict__ x, int64_t sxm, int64_t sxk, T* __restrict__ xs,
+                               float* __restrict__ sx, int K, int Kp, bool vec) {
+  const int m = blockIdx.x;
+  const T* row = x + (int64_t)m * sxm;
+  float s = 1.f;
+  if (QUANT) s = parity::row_quant_scale(row, sxk, K);
+  T* out = xs + (int64_t)m * Kp;
+  for (int k0 = 8 * threadIdx.x; k0 < Kp; k0 += 8 * blockDim.x) {
+    __align__(16) T v[8];
+    if (vec && k0 + 8 <= K) {
+      *reinterpret_cast<uint4*>(v) = __ldg(reinterpret_cast<const uint4*>(row + k0));
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = k0 + e < K ? row[(int64_t)(k0 + e) * sxk] : from_f<T>(0.f);
+    }
+    if (QUANT) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = from_f<T>(parity::quant_level(to_f(v[e]), s));
+    }
+    T* chunk = out + (k0 & ~127);
+#pragma unroll
+    for (int e = 0; e < 8; e += 2)
+      *reinterpret_cast<uint32_t*>(chunk + tile_pos((k0 + e) & 127)) = *reinterpret_cast<const uint32_t*>(v + e);
+  }
+  if (QUANT && threadIdx.x == 0) sx[m] = s;
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// 16 bytes global -> shared, bypassing L1; bytes = 0 fills zeros (rows past M, tiles past N).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// wgmma's matrix descriptor of a K-major operand in shared memory with the 128-byte swizzle: start address,
+// leading byte offset 16 (unused within a swizzle row), 1024 bytes between groups of 8 rows.
+__device__ __forceinline__ uint64_t swizzle128_desc(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(16 >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) |
+         ((uint64_t)1 << 62);
+}
+
+// d = A (64 x 16, registers) * B (16 x N, shared memory) (+ d where accumulate), fp32 accumulators, issued by a
+// whole warpgroup.
+template <typename T, int N> struct Wgmma;
+#define PARITY_WGMMA_64(T, PTX_T)                                                                                     \
+  template <> struct Wgmma<T, 64> {                                                                                   \
+    static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, int accumulate) {               \
+      asm volatile(                                                                                                   \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                                  \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_T "." PTX_T " "                                             \
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                                     \
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "                                          \
+        "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"                                                                    \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),             \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),       \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),     \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])      \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));                                             \
+    }                                                                                                                 \
+  };
+#define PARITY_WGMMA_128(T, PTX_T)                                                                                    \
+  template <> struct Wgmma<T, 128> {                                                                                  \
+    static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc, int accumulate) {               \
+      asm volatile(                                                                                                   \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                                  \
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_T "." PTX_T " "                                            \
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                                     \
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"                                            \
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"                                            \
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "                                          \
+        "{%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"                                                                    \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),             \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),       \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),     \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),     \
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),     \
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),     \
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),     \
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])      \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));                                             \
+    }                                                                                                                 \
+  };
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+PARITY_WGMMA_64(__half, "f16")
+PARITY_WGMMA_64(__nv_bfloat16, "bf16")
+PARITY_WGMMA_128(__half, "f16")
+PARITY_WGMMA_128(__nv_bfloat16, "bf16")
+#endif
+#undef PARITY_WGMMA_64
+#undef PARITY_WGMMA_128
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accesses of v across the asynchronous MMAs that write it.
+__device__ __forceinline__ void pin(float& v) { asm volatile("" : "+f"(v)::"memory"); }
+
+// Shared memory of a stage: x (two halves of BN rows x 128 bytes, 1024-byte aligned), then the block's tiles.
+template <int BN, int WG>
+struct Stage {
+  static constexpr int X = BN * 256, W = WG * 4 * 512, BYTES = X + W;
+  static_assert(BN % 8 == 0 && BYTES % 1024 == 0, "stages must keep the 1024-byte alignment of the swizzle");
+};
+
+template <int BN, int WG, int STAGES>
+constexpr int gemm_smem_bytes() {
+  return STAGES * Stage<BN, WG>::BYTES + 1024;  // + the alignment of the dynamic shared memory
+}
+
+template <typename T, int BN, int WG, int STAGES, bool GROUP>
+__global__ void __launch_bounds__(128 * WG, 1)
+gemm_kernel(const T* __restrict__ xs, int Kp, const uint4* __restrict__ tiles, const float* __restrict__ scale,
+            const float* __restrict__ bias, const float* __restrict__ sx, T* __restrict__ y, float* __restrict__ part,
+            int M, int N, int NT, int KC, int G, int GS, int per_split) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using S = Stage<BN, WG>;
+  static_assert(STAGES >= 2, "a stage is refilled a chunk after its MMAs finished");
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nt0 = blockIdx.x * 4 * WG, m0 = blockIdx.y * BN;
+  const int c0 = blockIdx.z * per_split, nch = min(KC, c0 + per_split) - c0;
+
+  // Chunk i of this block into stage i % STAGES: x's BN rows x 16 vectors (vector q of row r at half q / 8,
+  // position (q % 8) ^ (r % 8) of the row: the 128-byte swizzle), then a vector per thread of the tiles.
+  auto load_stage = [&](int i) {
+    uint8_t* st = smem + (i % STAGES) * S::BYTES;
+    const int c = c0 + i;
+    for (int u = tid; u < BN * 16; u += 128 * WG) {
+      const int r = u >> 4, q = u & 15, m = m0 + r;
+      const T* src = xs + (int64_t)min(m, M - 1) * Kp + (int64_t)c * TILE_K + q * 8;
+      cp_async16(smem_addr(st + (q >> 3) * (BN * 128) + r * 128 + (((q & 7) ^ (r & 7)) << 4)), src, m < M ? 16 : 0);
+    }
+    const int nt = nt0 + (tid >> 5);
+    cp_async16(smem_addr(st + S::X + tid * 16), tiles + ((int64_t)min(nt, NT - 1) * KC + c) * 32 + lane,
+               nt < NT ? 16 : 0);
+  };
+
+  const int g = lane >> 2, t = lane & 3;
+  const int n_lo = (nt0 + warp) * TILE_N + g;
+  float acc[BN / 2];
+  float chunk_acc[BN / 2];  // group scales: a chunk's sums, scaled into acc once it is done (unused else)
+#pragma unroll
+  for (int j = 0; j < BN / 2; ++j) acc[j] = 0.f;
+
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < nch) load_stage(i);
+    cp_async_commit();
+  }
+  // Chunk i: wait for its stage, refill the stage of chunk i - 1 (every warpgroup waited for its MMAs before
+  // this barrier), decode, issue the 8 MMAs and wait for them. ptxas serializes the MMAs of a warpgroup that
+  // defines A registers while any of its MMAs is in flight, so a warpgroup decodes only between its chunks;
+  // the tensor cores stay busy with the other blocks of the multiprocessor meanwhile.
+  for (int i = 0; i < nch; ++i) {
+    cp_async_wait<STAGES - 2>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async wrote what wgmma reads
+    __syncthreads();
+    if (i + STAGES - 1 < nch) load_stage(i + STAGES - 1);
+    cp_async_commit();
+    const uint8_t* st = smem + (i % STAGES) * S::BYTES;
+    const uint4 wq = *reinterpret_cast<const uint4*>(st + S::X + tid * 16);
+    const uint32_t xb = smem_addr(st);
+    uint32_t a[8][4];
+    uint64_t desc[8];
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      parity::tile_a(wq, s, a[s][0], a[s][1], a[s][2], a[s][3]);
+      desc[s] = swizzle128_desc(xb + (s >> 2) * (BN * 128) + (s & 3) * 32);
+    }
+    float s_lo = 0.f, s_hi = 0.f;
+    if (GROUP) {  // one scale a row for the chunk: the group size is a multiple of it
+      const int grp = (c0 + i) * TILE_K / GS;
+      s_lo = __ldg(scale + (int64_t)min(n_lo, N - 1) * G + grp);
+      s_hi = __ldg(scale + (int64_t)min(n_lo + 8, N - 1) * G + grp);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      if constexpr (GROUP)
+        Wgmma<T, BN>::run(chunk_acc, a[s], desc[s], s != 0);
+      else
+        Wgmma<T, BN>::run(acc, a[s], desc[s], 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    if (GROUP) {
+#pragma unroll
+      for (int j = 0; j < BN / 2; ++j) {
+        pin(chunk_acc[j]);
+        acc[j] = fmaf(chunk_acc[j], (j & 2) ? s_hi : s_lo, acc[j]);
+      }
+    }
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int j = 0; j < BN / 2; ++j) pin(acc[j]);
+
+  // Accumulator j of lane (g, t) in warp w: row 16 w + g (+ 8 for j % 4 >= 2), token 8 (j / 4) + 2 t + j % 2.
+#pragma unroll
+  for (int j = 0; j < BN / 2; ++j) {
+    const int n = n_lo + 8 * ((j >> 1) & 1), m = m0 + 8 * (j >> 2) + 2 * t + (j & 1);
+    if (n >= N || m >= M) continue;
+    float v = acc[j];
+    if (part) {
+      part[((int64_t)blockIdx.z * M + m) * N + n] = v;
+      continue;
+    }
+    v *= 0.5f;  // the decoded weights are +-2
+    if (!GROUP) v *= scale[n];
+    if (sx) v = __fdiv_rn(v, sx[m]);
+    if (bias) v += bias[n];
+    y[(int64_t)m * N + n] = from_f<T>(v);
+  }
+#else
+  __trap();  // built for another target than sm_90a: the host refuses before launching
+#endif
+}
+
+// y from the split partials, added in split order (deterministic); scale: one a row, or none.
+template <typename T>
+__global__ void finish_kernel(const float* __restrict__ part, int splits, const float* __restrict__ scale,
+                              const float* __restrict__ bias, const float* __restrict__ sx, T* __restrict__ y, int M,
+                              int N) {
+  const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (int64_t)M * N) return;
+  const int n = (int)(idx % N), m = (int)(idx / N);
+  float v = 0.f;
+  for (int z = 0; z < splits; ++z) v += part[(int64_t)z * M * N + idx];
+  v *= 0.5f;
+  if (scale) v *= scale[n];  // none with group scales: the partials are scaled
+  if (sx) v = __fdiv_rn(v, sx[m]);
+  if (bias) v += bias[n];
+  y[idx] = from_f<T>(v);
+}
+
+bool gemm_supported(int dev) {
+  cudaDeviceProp prop;
+  C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  return prop.major == 9 && prop.minor == 0;  // wgmma: the sm_90a build of cuda_build.arch_flags
+}
+
+template <typename T, int BN, int WG, int STAGES, bool GROUP>
+void launch_gemm(const T* xs, int Kp, const torch::Tensor& tiles, const float* scale, const float* bias,
+                 const float* sx, T* y, float* part, int M, int N, int G, int GS, int splits, int per_split,
+                 cudaStream_t stream) {
+  const int NT = tiles.size(0), KC = tiles.size(1);
+  constexpr int smem = gemm_smem_bytes<BN, WG, STAGES>();
+  auto kern = gemm_kernel<T, BN, WG, STAGES, GROUP>;
+  parity::set_smem(kern, smem);
+  dim3 grid((NT + 4 * WG - 1) / (4 * WG), (M + BN - 1) / BN, splits);
+  kern<<<grid, 128 * WG, smem, stream>>>(xs, Kp, reinterpret_cast<const uint4*>(tiles.data_ptr<int32_t>()), scale,
+                                         bias, sx, y, part, M, N, NT, KC, G, GS, per_split);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void dispatch_gemm(int bn, int wg, int stages, bool group, const T* xs, int Kp, const torch::Tensor& tiles,
+                   const float* scale, const float* bias, const float* sx, T* y, float* part, int M, int N, int G,
+                   int GS, int splits, int per_split, cudaStream_t stream) {
+#define PARITY_GEMM(BN_, WG_, ST_, GROUP_)                                                                     \
+  if (bn == BN_ && wg == WG_ && stages == ST_ && group == GROUP_)                                            \
+    return launch_gemm<T, BN_, WG_, ST_, GROUP_>(xs, Kp, tiles, scale, bias, sx, y, part, M, N, G, GS, splits, \
+                                                 per_split, stream);
+  // Shared memory: 64 x 1 x 4 75 KB (3 blocks a multiprocessor), 64 x 1 x 6 and 128 x {1, 2} x 3 112 KB (2),
+  // 64 x 2 x 4 83 KB, 128 x 4 x 3 124 KB, 64 x 4 x 4 100 KB, 128 x 2 x 4 149 KB, 128 x 4 x 4 165 KB.
+  PARITY_GEMM(64, 1, 4, false) PARITY_GEMM(64, 1, 6, false) PARITY_GEMM(64, 2, 4, false)
+  PARITY_GEMM(64, 4, 4, false) PARITY_GEMM(128, 1, 3, false) PARITY_GEMM(128, 2, 3, false)
+  PARITY_GEMM(128, 2, 4, false) PARITY_GEMM(128, 4, 3, false) PARITY_GEMM(128, 4, 4, false)
+  // Group scales hold a second set of accumulators: at most 256 threads a block.
+  PARITY_GEMM(64, 1, 4, true) PARITY_GEMM(64, 2, 4, true) PARITY_GEMM(128, 2, 3, true)
+#undef PARITY_GEMM
+  TORCH_CHECK(false, "ternary gemm: no instance for bn=", bn, " wg=", wg, " stages=", stages,
+              group ? " with group scales" : "");
+}
+
+// The GEMM on the tiles with an explicit launch: bn tokens and wg warpgroups (64 wg rows) a block, stages of
+// the shared-memory pipeline, K split across split blocks.
+torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scale,
+                           const c10::optional<torch::Tensor>& bias, int64_t n, int64_t k, int64_t group_size,
+                           bool act_quant, int64_t bn, int64_t wg, int64_t stages, int64_t split) {
+  TORCH_CHECK(x.is_cuda() && tiles.is_cuda() && scale.is_cuda(), "ternary gemm needs CUDA tensors");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "ternary gemm: x must be (M, K=", k, "), got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat16 || x.scalar_type() == torch::kBFloat16,
+              "ternary gemm: x must be fp16 or bf16, got ", x.scalar_type());
+  parity::check_tiles(tiles, n, k, "ternary gemm");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.dim() == 2 &&
+                  scale.size(0) == n,
+              "ternary gemm: scale must be contiguous fp32 (N=", n, ", G)");
+  const bool group = group_size > 0;
+  TORCH_CHECK(group ? group_size % TILE_K == 0 && scale.size(1) == (k + group_size - 1) / group_size
+                    : scale.size(1) == 1,
+              "ternary gemm: group size ", group_size, " (a multiple of ", TILE_K, ", or 0) and scale ",
+              scale.sizes(), " do not match K=", k);
+  TORCH_CHECK(split >= 1, "ternary gemm: split must be >= 1");
+  const c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(gemm_supported(x.get_device()), "ternary gemm needs compute capability 9.0 (wgmma, sm_90a)");
+  auto y = torch::empty({x.size(0), n}, x.options());
+  const int M = x.size(0), N = (int)n, K = (int)k, KC = tiles.size(1), Kp = KC * TILE_K;
+  if (M == 0 || N == 0) return y;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  torch::Tensor bias_f = bias.has_value() ? bias->to(torch::kFloat32).contiguous() : torch::Tensor();
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  auto xs = torch::empty({M, Kp}, x.options());
+  torch::Tensor sxt = act_quant ? torch::empty({M}, x.options().dtype(torch::kFloat32)) : torch::Tensor();
+  float* sxp = act_quant ? sxt.data_ptr<float>() : nullptr;
+  const int per_split = (int)((KC + split - 1) / split), splits = (KC + per_split - 1) / per_split;
+  torch::Tensor part = splits > 1 ? torch::empty({splits, M, N}, x.options().dtype(torch::kFloat32)) : torch::Tensor();
+  float* pp = splits > 1 ? part.data_ptr<float>() : nullptr;
+  const float* sp = scale.data_ptr<float>();
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+    T* xsp = reinterpret_cast<T*>(xs.data_ptr());
+    T* yp = reinterpret_cast<T*>(y.data_ptr());
+    const bool vec = x.stride(1) == 1 && x.stride(0) % 8 == 0 && (reinterpret_cast<uintptr_t>(xp) & 15) == 0;
+    if (act_quant)
+      stage_x_kernel<T, true><<<M, 256, 0, stream>>>(xp, x.stride(0), x.stride(1), xsp, sxp, K, Kp, vec);
+    else
+      stage_x_kernel<T, false><<<M, 256, 0, stream>>>(xp, x.stride(0), x.stride(1), xsp, sxp, K, Kp, vec);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    dispatch_gemm<T>((int)bn, (int)wg, (int)stages, group, xsp, Kp, tiles, sp, bp, sxp, yp, pp, M, N,
+                     (int)scale.size(1), group ? (int)group_size : 1, splits, per_split, stream);
+    if (splits > 1) {
+      const int64_t total = (int64_t)M * N;
+      finish_kernel<T><<<(unsigned)((total + 255) / 256), 256, 0, stream>>>(pp, splits, group ? nullptr : sp, bp,
+                                                                            sxp, yp, M, N);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  };
+  if (x.scalar_type() == torch::kFloat16)
+    run(__half());
+  else
+    run(__nv_bfloat16());
+  return y;
+}
+
+// The launch the op chooses (kernels/ternary_cuda.gemm_config is the same rule; a GPU test compares them): up to
+// 64 tokens blocks of 64 tokens x 256 rows (x 128 with group scales), above 128 x 128; K split in two until the
+// grid would pass the blocks a multiprocessor holds (2 of 128 x 128 without group scales, else 1), at most 8
+// ways and 8 chunks a split. From the H200 sweep in benchmarks/NOTES.md.
+std::vector<int64_t> gemm_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size) {
+  static std::mutex mu;
+  static std::vector<int> sms;  // multiprocessors of each device, read once
+  const int dev = c10::cuda::current_device();
+  int count;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if ((int)sms.size() <= dev) sms.resize(dev + 1, 0);
+    if (sms[dev] == 0) {
+      cudaDeviceProp prop;
+      C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+      sms[dev] = prop.multiProcessorCount;
+    }
+    count = sms[dev];
+  }
+  const bool group = group_size > 0;
+  const int64_t bn = m <= 64 ? 64 : 128, wg = m <= 64 ? (group ? 2 : 4) : 2, stages = m <= 64 ? 4 : 3;
+  const int64_t per_sm = wg == 2 && bn == 128 && !group ? 2 : 1;
+  const int64_t blocks = ((n + 64 * wg - 1) / (64 * wg)) * ((m + bn - 1) / bn), kc = (k + TILE_K - 1) / TILE_K;
+  int64_t split = 1;
+  while (split < 8 && blocks * split * 2 <= per_sm * count && kc / (split * 2) >= 8) split *= 2;
+  return {bn, wg, stages, split};
+}
+
+// x (..., K) through the GEMM with the launch chosen here.
+torch::Tensor gemm_op(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scale,
+                      const c10::optional<torch::Tensor>& bias, int64_t n, int64_t k, int64_t group_size,
+                      bool act_quant) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "ternary gemm: x must be (..., K=", k, ")");
+  const torch::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, k});
+  const c10::cuda::CUDAGuard guard(x.device());
+  const std::vector<int64_t> c = gemm_auto_config(x2.size(0), n, k, group_size);
+  torch::Tensor y = ternary_gemm(x2, tiles, scale, bias, n, k, group_size, act_quant, c[0], c[1], c[2], c[3]);
+  if (x.dim() == 2) return y;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(n);
+  return y.view(shape);
+}
+
+}  // namespace
+
+// parity_ternary::gemm beside the ops of csrc/ternary.cu, once this extension is loaded.
+TORCH_LIBRARY_FRAGMENT(parity_ternary, m) {
+  m.def("gemm(Tensor x, Tensor tiles, Tensor scale, Tensor? bias, int n, int k, int group_size, bool act_quant) "
+        "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(parity_ternary, CUDA, m) { m.impl("gemm", &gemm_op); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemm_auto_config", &gemm_auto_config, "(bn, wg, stages, split) the op chooses", py::arg("m"),
+        py::arg("n"), py::arg("k"), py::arg("group_size"));
+  m.def("gemm", &ternary_gemm, "ternary GEMM on the tiled layout (wgmma, sm_90a)", py::arg("x"), py::arg("tiles"),
+        py::arg("scale"), py::arg("bias"), py::arg("n"), py::arg("k"), py::arg("group_size"), py::arg("act_quant"),
+        py::arg("bn"),
+        py::arg("wg"), py::arg("stages"), py::arg("split"));
+  m.def("tile_pos", [](int r) { return tile_pos(r); }, "where input r of a chunk sits in the tiles' k order",
+        py::arg("r"));
+}
