@@ -154,25 +154,25 @@ def _fit_instance(cfg: dict, group_size: int) -> dict:
 
 
 def _check_mma_args(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, n: int, k: int, group_size: int,
-                    rows: bool = False) -> None:
+                    rows: bool = False, op: str = "ternary mma kernel") -> None:
     """The extension's preconditions as Python errors of the usual types, naming the argument (the device
     last, so that everything else is checked wherever the tensors live); ``w`` the tiles, or the row layout
-    (``rows``)."""
+    (``rows``); ``op`` the kernel the messages name."""
     if x.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"ternary mma kernel: x must be fp16 or bf16, got {x.dtype}")
+        raise TypeError(f"{op}: x must be fp16 or bf16, got {x.dtype}")
     if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"ternary mma kernel: x must be (M, K={k}), got {tuple(x.shape)}")
+        raise ValueError(f"{op}: x must be (M, K={k}), got {tuple(x.shape)}")
     what, want = ("qweight", (n, -(-k // 16))) if rows else ("tiles", (-(-n // 16), -(-k // 128), 32, 4))
     if w.dtype != torch.int32 or tuple(w.shape) != want or not w.is_contiguous():
-        raise ValueError(f"ternary mma kernel: {what} must be contiguous int32 {want} for N={n} K={k}, got "
+        raise ValueError(f"{op}: {what} must be contiguous int32 {want} for N={n} K={k}, got "
                          f"{w.dtype} {tuple(w.shape)}")
     if scale.dtype != torch.float32 or scale.dim() != 2 or scale.shape[0] != n or not scale.is_contiguous():
-        raise ValueError(f"ternary mma kernel: scale must be contiguous fp32 (N={n}, G), got {scale.dtype} "
+        raise ValueError(f"{op}: scale must be contiguous fp32 (N={n}, G), got {scale.dtype} "
                          f"{tuple(scale.shape)}")
     if group_size % 128:
-        raise ValueError(f"ternary mma kernel: group size {group_size} is not a multiple of 128")
+        raise ValueError(f"{op}: group size {group_size} is not a multiple of 128")
     if x.device.type != "cuda" or w.device != x.device or scale.device != x.device:
-        raise ValueError(f"ternary mma kernel: x, {what} and scale must be on one CUDA device, got {x.device}, "
+        raise ValueError(f"{op}: x, {what} and scale must be on one CUDA device, got {x.device}, "
                          f"{w.device}, {scale.device}")
 
 
@@ -261,7 +261,7 @@ def linear_gemm(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias:
                 group_size: int, act_quant: bool, config: dict | None = None) -> torch.Tensor:
     """``y = x @ W^T (+ bias)`` on the tiled layout with the weight decoded inside the GEMM (wgmma); x fp16 or
     bf16 (M, K), any strides; group sizes a multiple of 128 (0: one scale a row)."""
-    _check_mma_args(x, tiles, scale, n, k, group_size)
+    _check_mma_args(x, tiles, scale, n, k, group_size, op="ternary gemm")
     if not gemm_supported():
         raise RuntimeError("ternary gemm needs a GPU of compute capability 9.0 (wgmma) and nvcc")
     cfg = dict(gemm_config(x.shape[0], n, k, group_size), **(config or {}))

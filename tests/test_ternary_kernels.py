@@ -450,6 +450,30 @@ def test_mma_arguments_are_checked_in_python():
         ternary_cuda.linear_mma(x, qweight, scale, None, n, k, 0, False, rows=True)
     with pytest.raises(ValueError, match=r"qweight must be contiguous int32 \(40, 16\)"):
         ternary_cuda.linear_mma(x, tiles, scale, None, n, k, 0, False, rows=True)
+    # the GEMM on the tiles: the same checks, named for it
+    with pytest.raises(ValueError, match="ternary gemm: x, tiles and scale must be on one CUDA device, got cpu"):
+        ternary_cuda.linear_gemm(x, tiles, scale, None, n, k, 0, False)
+    with pytest.raises(TypeError, match="ternary gemm: x must be fp16 or bf16, got torch.float32"):
+        ternary_cuda.linear_gemm(x.float(), tiles, scale, None, n, k, 0, False)
+    with pytest.raises(ValueError, match="ternary gemm: tiles must be contiguous int32"):
+        ternary_cuda.linear_gemm(x, tiles[:1], scale, None, n, k, 0, False)
+    with pytest.raises(ValueError, match="ternary gemm: group size 64 is not a multiple of 128"):
+        ternary_cuda.linear_gemm(x, tiles, scale, None, n, k, 64, False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(m=st.integers(1, 8192), n=st.integers(1, 65536), k=st.integers(1, 65536), group=st.sampled_from([0, 128, 256]),
+       sms=st.sampled_from([78, 114, 132]))
+def test_gemm_config_is_a_compiled_instance(m, n, k, group, sms):
+    """Every default launch of the GEMM is one of its compiled instances (group scales: their own), K split into a
+    power of two up to 8 ways, 8 chunks a split at least where split."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ternary_cuda, "_num_sms", lambda: sms)
+        cfg = ternary_cuda.gemm_config(m, n, k, group)
+    instances = ternary_cuda.GEMM_GROUP_INSTANCES if group else ternary_cuda.GEMM_INSTANCES
+    assert (cfg["bn"], cfg["wg"], cfg["stages"]) in instances, cfg
+    assert cfg["split"] in (1, 2, 4, 8), cfg
+    assert cfg["split"] == 1 or -(-k // 128) // cfg["split"] >= 8, cfg
 
 
 def test_mma_dependent_launch_follows_the_device_and_the_environment(monkeypatch):
