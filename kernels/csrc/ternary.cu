@@ -16,11 +16,11 @@
 #include <stdint.h>
 
 #include <cstdlib>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "dtypes.cuh"
+#include "launch.cuh"
 #include "ternary_tiles.cuh"
 
 namespace {
@@ -849,19 +849,6 @@ struct MmaCfg {
   bool pdl;
 };
 
-int device_sms(int dev) {
-  static std::mutex mu;
-  static std::vector<int> sms;
-  std::lock_guard<std::mutex> lock(mu);
-  if ((int)sms.size() <= dev) sms.resize(dev + 1, 0);
-  if (sms[dev] == 0) {
-    cudaDeviceProp prop;
-    C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    sms[dev] = prop.multiProcessorCount * (prop.major >= 9 ? 1 : -1);  // sign: PDL support (cc >= 9)
-  }
-  return sms[dev];
-}
-
 bool pdl_env_allows() {
   static const bool allowed = [] {
     const char* v = std::getenv("PARITY_MMA_PDL");
@@ -871,8 +858,8 @@ bool pdl_env_allows() {
 }
 
 MmaCfg mma_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size, int dev, bool rows) {
-  const int info = device_sms(dev);
-  const int sms = info < 0 ? -info : info;
+  const parity::DeviceInfo info = parity::device_info(dev);
+  const int sms = info.sms;
   const int64_t nt = (n + TILE_N - 1) / TILE_N, kc = (k + TILE_K - 1) / TILE_K;
   auto tiles = [&](double min_blocks) {
     int tn = 4;
@@ -880,7 +867,7 @@ MmaCfg mma_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size, int 
     return tn;
   };
   MmaCfg c{};
-  c.pdl = info > 0 && pdl_env_allows();
+  c.pdl = info.major >= 9 && pdl_env_allows();  // programmatic dependent launch: compute capability 9 on
   c.loads = 4;
   if (m <= 8 && rows) {
     c.tn = tiles(0.9 * sms);

@@ -21,8 +21,6 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include <cstdlib>
-#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -292,21 +290,6 @@ __global__ void finish_kernel(const float* __restrict__ part, int splits, const 
   y[idx] = from_f<T>(v);
 }
 
-// Multiprocessors of a device, negative where it is not compute capability 9.0 (wgmma: the sm_90a build of
-// cuda_build.arch_flags); read once per device (the call path must not query the driver).
-int device_sms(int dev) {
-  static std::mutex mu;
-  static std::vector<int> sms;
-  std::lock_guard<std::mutex> lock(mu);
-  if ((int)sms.size() <= dev) sms.resize(dev + 1, 0);
-  if (sms[dev] == 0) {
-    cudaDeviceProp prop;
-    C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    sms[dev] = prop.multiProcessorCount * (prop.major == 9 && prop.minor == 0 ? 1 : -1);
-  }
-  return sms[dev];
-}
-
 template <typename T, int BN, int WG, int STAGES, bool GROUP>
 void launch_gemm(const T* xs, int Kp, const torch::Tensor& tiles, const float* scale, const float* bias,
                  const float* sx, T* y, float* part, int M, int N, int G, int GS, int splits, int per_split,
@@ -361,7 +344,8 @@ torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& tiles, c
               scale.sizes(), " do not match K=", k);
   TORCH_CHECK(split >= 1, "ternary gemm: split must be >= 1");
   const c10::cuda::CUDAGuard guard(x.device());
-  TORCH_CHECK(device_sms(x.get_device()) > 0, "ternary gemm needs compute capability 9.0 (wgmma, sm_90a)");
+  const parity::DeviceInfo dev = parity::device_info(x.get_device());
+  TORCH_CHECK(dev.major == 9 && dev.minor == 0, "ternary gemm needs compute capability 9.0 (wgmma: the sm_90a build)");
   auto y = torch::empty({x.size(0), n}, x.options());
   const int M = x.size(0), N = (int)n, K = (int)k, KC = tiles.size(1), Kp = KC * TILE_K;
   if (M == 0 || N == 0) return y;
@@ -407,7 +391,7 @@ torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& tiles, c
 // grid would pass the blocks a multiprocessor holds (2 of 128 x 128 without group scales, else 1), at most 8
 // ways and 8 chunks a split. From the H200 sweep in benchmarks/NOTES.md.
 std::vector<int64_t> gemm_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size) {
-  const int count = std::abs(device_sms(c10::cuda::current_device()));
+  const int count = parity::device_info(c10::cuda::current_device()).sms;
   const bool group = group_size > 0;
   const int64_t bn = m <= 64 ? 64 : 128, wg = m <= 64 ? (group ? 2 : 4) : 2, stages = m <= 64 ? 4 : 3;
   const int64_t per_sm = wg == 2 && bn == 128 && !group ? 2 : 1;
