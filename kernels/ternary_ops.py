@@ -154,10 +154,13 @@ def ternary_linear(x: torch.Tensor, native: NativeTernary, bias: torch.Tensor | 
     if x.shape[-1] != native.k:
         raise ValueError(f"x has {x.shape[-1]} input features, the ternary weight expects {native.k}")
     if (backend is None and x.is_cuda and not torch.compiler.is_compiling()
-            and x.numel() < choose.GEMM_MIN_M * native.k and _eager_mma(x.dtype, native.group_size)):
+            and x.numel() <= choose.MMA_MAX_M * native.k and _eager_mma(x.dtype, native.group_size)
+            and (x.numel() < choose.GEMM_MIN_M * native.k or native.tiles is None
+                 or not choose.ternary_gemm_eligible(x.dtype, native.group_size))):
         # Eager and small M: the C++ op (configuration chosen in C++), no Python op wrapper per call; the same
-        # decision as choose.ternary_kernel below, made once per (dtype, group size, environment). Compiled
-        # callers keep the Python custom op below, which runs the same kernel.
+        # decision as choose.ternary_kernel below (cuda_mma up to MMA_MAX_M rows, but for the rows cuda_gemm takes
+        # from a tiled weight), made once per (dtype, group size, environment). Compiled callers keep the Python
+        # custom op below, which runs the same kernel.
         if native.tiles is None:  # the row layout alone
             return _MMA_OP[1](x, native.qweight, native.scale, bias, native.n, native.k, native.group_size,
                               native.act_quant)
