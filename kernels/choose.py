@@ -83,6 +83,9 @@ AUTO_CUDA_VEC_MAX_M = 2
 MMA_MAX_M = 64
 GEMM_MIN_M = 33
 DEQUANT_MIN_M = 384
+# The last row count before each switch of ternary kernel above: a choice on each side of every one of them is
+# every kernel a layer may run.
+TERNARY_M_BOUNDS = (TRITON_GEMV_MAX_M, AUTO_CUDA_VEC_MAX_M, GEMM_MIN_M - 1, MMA_MAX_M, DEQUANT_MIN_M)
 
 
 def ternary_backend(backend: str | None, device: torch.device) -> str:

@@ -97,7 +97,8 @@ __device__ __forceinline__ uint64_t swizzle128_desc(uint32_t addr) {
 template <typename T, int N> struct Wgmma;
 #define PARITY_WGMMA_64(T, PTX_T)                                                                                     \
   template <> struct Wgmma<T, 64> {                                                                                   \
-    static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, int accumulate) {               \
+    static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc,                 \
+                                               int accumulate) {                                                      \
       asm volatile(                                                                                                   \
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                                  \
         "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_T "." PTX_T " "                                             \
@@ -108,12 +109,13 @@ template <typename T, int N> struct Wgmma;
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),       \
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),     \
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])      \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));                                             \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));                                    \
     }                                                                                                                 \
   };
 #define PARITY_WGMMA_128(T, PTX_T)                                                                                    \
   template <> struct Wgmma<T, 128> {                                                                                  \
-    static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc, int accumulate) {               \
+    static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc,                 \
+                                               int accumulate) {                                                      \
       asm volatile(                                                                                                   \
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                                  \
         "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_T "." PTX_T " "                                            \
@@ -130,7 +132,7 @@ template <typename T, int N> struct Wgmma;
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),     \
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),     \
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])      \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));                                             \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));                                    \
     }                                                                                                                 \
   };
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -161,6 +163,17 @@ struct Stage {
 template <int BN, int WG, int STAGES>
 constexpr int gemm_smem_bytes() {
   return STAGES * Stage<BN, WG>::BYTES + 1024;  // + the alignment of the dynamic shared memory
+}
+
+// An output from its sum: the decoded weights are +-2, then the row's scale (none where group scales were applied
+// chunk by chunk), 1 / s_x where activations were quantized, the bias.
+__device__ __forceinline__ float output_value(float v, const float* __restrict__ scale, const float* __restrict__ sx,
+                                              const float* __restrict__ bias, int m, int n) {
+  v *= 0.5f;
+  if (scale) v *= scale[n];
+  if (sx) v = __fdiv_rn(v, sx[m]);
+  if (bias) v += bias[n];
+  return v;
 }
 
 template <typename T, int BN, int WG, int STAGES, bool GROUP>
@@ -248,25 +261,18 @@ gemm_kernel(const T* __restrict__ xs, int Kp, const uint4* __restrict__ tiles, c
       }
     }
   }
-  wgmma_wait<0>();
 #pragma unroll
-  for (int j = 0; j < BN / 2; ++j) pin(acc[j]);
+  for (int j = 0; j < BN / 2; ++j) pin(acc[j]);  // the loop waited for every chunk's MMAs
 
   // Accumulator j of lane (g, t) in warp w: row 16 w + g (+ 8 for j % 4 >= 2), token 8 (j / 4) + 2 t + j % 2.
 #pragma unroll
   for (int j = 0; j < BN / 2; ++j) {
     const int n = n_lo + 8 * ((j >> 1) & 1), m = m0 + 8 * (j >> 2) + 2 * t + (j & 1);
     if (n >= N || m >= M) continue;
-    float v = acc[j];
-    if (part) {
-      part[((int64_t)blockIdx.z * M + m) * N + n] = v;
-      continue;
-    }
-    v *= 0.5f;  // the decoded weights are +-2
-    if (!GROUP) v *= scale[n];
-    if (sx) v = __fdiv_rn(v, sx[m]);
-    if (bias) v += bias[n];
-    y[(int64_t)m * N + n] = from_f<T>(v);
+    if (part)
+      part[((int64_t)blockIdx.z * M + m) * N + n] = acc[j];
+    else
+      y[(int64_t)m * N + n] = from_f<T>(output_value(acc[j], GROUP ? nullptr : scale, sx, bias, m, n));
   }
 #else
   __trap();  // built for another target than sm_90a: the host refuses before launching
@@ -283,11 +289,7 @@ __global__ void finish_kernel(const float* __restrict__ part, int splits, const 
   const int n = (int)(idx % N), m = (int)(idx / N);
   float v = 0.f;
   for (int z = 0; z < splits; ++z) v += part[(int64_t)z * M * N + idx];
-  v *= 0.5f;
-  if (scale) v *= scale[n];  // none with group scales: the partials are scaled
-  if (sx) v = __fdiv_rn(v, sx[m]);
-  if (bias) v += bias[n];
-  y[idx] = from_f<T>(v);
+  y[idx] = from_f<T>(output_value(v, scale, sx, bias, m, n));
 }
 
 template <typename T, int BN, int WG, int STAGES, bool GROUP>

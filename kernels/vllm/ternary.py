@@ -198,9 +198,7 @@ class TernaryLinearMethod(LinearMethodBase):
     def kernels(self, layer, dtype: torch.dtype) -> tuple[str, ...]:
         """Every kernel ``apply`` may run on this layer, over all row counts: its choice on each side of every
         M threshold (the branches a run may leave untaken)."""
-        bounds = (choose.TRITON_GEMV_MAX_M, choose.AUTO_CUDA_VEC_MAX_M, choose.GEMM_MIN_M - 1, choose.MMA_MAX_M,
-                  choose.DEQUANT_MIN_M)
-        rows = sorted({1, *(b + d for b in bounds for d in (0, 1))})
+        rows = sorted({1, *(b + d for b in choose.TERNARY_M_BOUNDS for d in (0, 1))})
         return tuple(dict.fromkeys(self.kernel_for(layer, m, dtype) for m in rows))
 
 

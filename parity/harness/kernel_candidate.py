@@ -53,8 +53,7 @@ class _Biased(nn.Module):
 # -- which kernel a kernel linear runs ---------------------------------------------------------------
 
 # Row counts on each side of every threshold in choose.py: the choices over them are every branch a layer may take.
-_BOUNDS = (choose.TRITON_GEMV_MAX_M, choose.AUTO_CUDA_VEC_MAX_M, choose.GEMM_MIN_M - 1, choose.MMA_MAX_M,
-           choose.DEQUANT_MIN_M, choose.INT8X_NATIVE_GEMV_MAX_M, choose.INT8X_GEMM_MIN_M,
+_BOUNDS = (*choose.TERNARY_M_BOUNDS, choose.INT8X_NATIVE_GEMV_MAX_M, choose.INT8X_GEMM_MIN_M,
            choose.INT8X_PLANES_GEMV_MAX_M)
 
 
