@@ -597,8 +597,9 @@ PLANES_SWEEP_TILES = (1, 2, 3, 4)
 
 
 def int8x_planes_sweep(copy_gbps: float) -> list[dict]:
-    """The planes GEMV's launch configurations (``config = (warps, tiles_per_cta)``, see
-    ``int8x_planes_cuda.resolve_config``) at both target shapes, both weight distributions and M in 1, 4, 16
+    """The planes GEMV's launch configurations (``config = (warps, tiles_per_cta[, stages])``, see
+    ``int8x_planes_cuda.resolve_config``; stages at M = 1 only) at both target shapes, both weight distributions
+    and M in 1, 4, 16
     (bf16 x), each timed like the rows (CUDA graph, copies rotated over 256 MiB) beside the default and torch
     bf16 F.linear; configs that give the same launch are timed once, ones the device cannot hold are rows with
     an error. Prints the best per (shape, dist, M)."""
@@ -612,25 +613,27 @@ def int8x_planes_sweep(copy_gbps: float) -> list[dict]:
         base, (layouts, next_layout), (copies, next_wb) = planes_rotations(k, n, dist)
         info = dict(kernel="int8x_planes_linear_cuda_sweep", K=k, N=n, dist=dist, dtype="bfloat16",
                     bits_per_weight=round(base.bits_per_weight, 4), baseline="torch_bf16_linear")
-        configs, seen = [None], set()
-        for cfg in itertools.product(PLANES_SWEEP_WARPS, PLANES_SWEEP_TILES):
-            try:
-                launch = int8x_planes_cuda.resolve_config(cfg, k)
-            except ValueError:
-                continue
-            if launch not in seen:
-                seen.add(launch)
-                configs.append(cfg)
         for m in (1, 4, 16):
+            configs, seen = [None], set()
+            for cfg in itertools.product(PLANES_SWEEP_WARPS, PLANES_SWEEP_TILES,
+                                         int8x_planes_cuda.STAGES if m == 1 else (2,)):
+                try:
+                    launch = int8x_planes_cuda.resolve_config(cfg, k, m)
+                except ValueError:
+                    continue
+                if launch not in seen:
+                    seen.add(launch)
+                    configs.append(cfg)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             base_us = graph_us(lambda: F.linear(x, next_wb()), len(copies))
             moved = base.nbytes + (k + n) * 2 * m
             props = torch.cuda.get_device_properties(0)
             for cfg in configs:
                 launch = (int8x_planes_cuda.default_config(m, n, k, props.multi_processor_count) if cfg is None
-                          else int8x_planes_cuda.resolve_config(cfg, k))
+                          else int8x_planes_cuda.resolve_config(cfg, k, m))
                 row = dict(info, M=m, config="default" if cfg is None else list(cfg),
-                           launch=dict(warps_per_tile=launch[0], chunks_per_warp=launch[1], tiles_per_cta=launch[2]),
+                           launch=dict(warps_per_tile=launch[0], chunks_per_warp=launch[1], tiles_per_cta=launch[2],
+                                       stages=launch[3]),
                            baseline_us=round(base_us, 3))
                 try:
                     us = graph_us(lambda cfg=cfg: int8x_planes_cuda.linear(x, next_layout(), config=cfg),

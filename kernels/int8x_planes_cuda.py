@@ -21,10 +21,12 @@ __all__ = ["available", "extension", "decode", "linear", "resolve_config", "defa
 MAX_THREADS = 512
 MAX_TILES_PER_CTA = 4
 MAX_WARPS = 16
+# Blocks of the plane in flight per warp (cp.async), the one computed included: 2 or 3 at one token, 2 for more.
+STAGES = (2, 3)
 # Shared memory of a CTA (csrc/int8x_planes.cu, linear_smem): each warp of a tile stages x for its chunk run
 # (XT token rows of XSTRIDE elements; one token: the chunk again in B-fragment order), every warp its records
-# (16-byte vectors of positions and codes) and its blocks of the plane in flight (3 at one token, else 2); the
-# reduction reuses the same bytes.
+# (16-byte vectors of positions and codes) and its blocks of the plane in flight (STAGES); the reduction reuses
+# the same bytes.
 XSTRIDE, REC_BYTES, BLOCK_BYTES, TILE_ROWS, CHUNK = 512 + 8, 65 * 16 + 33 * 16, 640 * 4, 16, 512
 
 extension = LazyExtension("vllm_parity_int8x_planes", "int8x_planes.cu", "int8x planes CUDA kernels")
@@ -59,32 +61,38 @@ def decode(layout: Int8xPlanes, dtype: torch.dtype = torch.bfloat16, out: torch.
     return out
 
 
-def _parse(config) -> tuple[int, int]:
+def _parse(config) -> tuple[int, int, int | None]:
     if isinstance(config, dict):
-        config = (config.get("warps"), config.get("tiles_per_cta", 1))
-    if (not isinstance(config, (tuple, list)) or len(config) != 2
+        config = (config.get("warps"), config.get("tiles_per_cta", 1), config.get("stages"))
+        config = config if config[2] is not None else config[:2]
+    if (not isinstance(config, (tuple, list)) or len(config) not in (2, 3)
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in config)):
-        raise ValueError(f"int8x planes cuda linear: config must be (warps, tiles_per_cta), two ints, got {config!r}")
-    return config[0], config[1]
+        raise ValueError(f"int8x planes cuda linear: config must be (warps, tiles_per_cta) or (warps, tiles_per_cta, "
+                         f"stages), ints, got {config!r}")
+    return config[0], config[1], config[2] if len(config) == 3 else None
 
 
-def resolve_config(config, k: int) -> tuple[int, int, int]:
-    """The launch an explicit ``config = (warps, tiles_per_cta)`` gives for ``k`` columns:
-    ``(warps_per_tile, chunks_per_warp, tiles_per_cta)``. ``warps`` is the most warps per tile: the tile's
-    ceil(k / 512) chunks go to ceil(chunks / warps) chunks a warp, as few warps as that needs. ``ValueError``
-    for a config the kernels cannot launch (shared memory is checked at the launch, against the device)."""
-    warps, tpc = _parse(config)
+def resolve_config(config, k: int, m: int = 1) -> tuple[int, int, int, int]:
+    """The launch an explicit ``config = (warps, tiles_per_cta[, stages])`` gives for ``k`` columns and ``m``
+    tokens: ``(warps_per_tile, chunks_per_warp, tiles_per_cta, stages)``. ``warps`` is the most warps per tile:
+    the tile's ceil(k / 512) chunks go to ceil(chunks / warps) chunks a warp, as few warps as that needs.
+    ``stages``: blocks of the plane in flight per warp at one token, 2 or 3 (default 3); more tokens always take
+    2. ``ValueError`` for a config the kernels cannot launch (shared memory is checked at the launch, against the
+    device)."""
+    warps, tpc, stages = _parse(config)
     if not 1 <= warps <= MAX_WARPS:
         raise ValueError(f"int8x planes cuda linear: config warps must be 1 .. {MAX_WARPS}, got {warps}")
     if not 1 <= tpc <= MAX_TILES_PER_CTA:
         raise ValueError(f"int8x planes cuda linear: config tiles_per_cta must be 1 .. {MAX_TILES_PER_CTA}, got {tpc}")
+    if stages is not None and stages not in STAGES:
+        raise ValueError(f"int8x planes cuda linear: config stages must be one of {STAGES}, got {stages}")
     chunks = -(-k // CHUNK)
     cpw = -(-chunks // warps)
     wpt = -(-chunks // cpw)
     if wpt * tpc * 32 > MAX_THREADS:
         raise ValueError(f"int8x planes cuda linear: config {config!r} gives {wpt} warps per tile x {tpc} tiles "
                          f"per CTA = {wpt * tpc * 32} threads for K={k}, more than the kernel's {MAX_THREADS}")
-    return wpt, cpw, tpc
+    return wpt, cpw, tpc, (stages or 3) if m == 1 else 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,31 +103,37 @@ def _device(device: torch.device) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def default_config(m: int, n: int, k: int, sms: int, smem_max: int = 227 * 1024) -> tuple[int, int, int]:
+def default_config(m: int, n: int, k: int, sms: int, smem_max: int = 227 * 1024) -> tuple[int, int, int, int]:
     """The launch :func:`linear` takes when no config is given, as
-    ``(warps_per_tile, chunks_per_warp, tiles_per_cta)``: runs of 4 chunks a warp (2 at M = 1 and at most 8
-    chunks) so each warp has its next block and its records in flight while it computes; M = 1: one tile a CTA;
-    more: 4 or 2 tiles a CTA share each chunk's staged x where 16 warps, half a CTA an SM and shared memory allow."""
+    ``(warps_per_tile, chunks_per_warp, tiles_per_cta, stages)``: runs of 4 chunks a warp (at M = 1: 2 up to 8
+    chunks, 1 where that would leave fewer than 16 warps an SM, else 3) so each warp has its next block and its
+    records in flight while it computes, 2 blocks in flight a warp (less shared memory a warp, more warps an SM);
+    M = 1: one tile a CTA; more: 4 or 2 tiles a CTA share each chunk's staged x where 16 warps, half a CTA an SM
+    and shared memory allow."""
     chunks, tiles = -(-k // CHUNK), -(-n // TILE_ROWS)
-    run = 2 if m == 1 and chunks <= 8 else 4
+    stages = 2
+    run = 4
+    if m == 1:
+        run = 3 if chunks > 8 else 2 if tiles * -(-chunks // 2) >= 16 * sms else 1
     warps = min(-(-chunks // run), 8 if m > 8 else MAX_WARPS)
     while True:  # fewer warps a tile where a device has less shared memory
         cpw = -(-chunks // warps)
         wpt = -(-chunks // cpw)
-        if warps == 1 or smem_bytes(m, wpt, 1) <= smem_max:
+        if warps == 1 or smem_bytes(m, wpt, 1, stages) <= smem_max:
             break
         warps -= 1
     tpc = 1
     if m > 1:
         tpc = next((t for t in (4, 2) if wpt * t <= MAX_WARPS and tiles * 2 >= t * sms
-                    and smem_bytes(m, wpt, t) <= smem_max), 1)
-    return wpt, cpw, tpc
+                    and smem_bytes(m, wpt, t, stages) <= smem_max), 1)
+    return wpt, cpw, tpc, stages
 
 
-def smem_bytes(m: int, wpt: int, tpc: int) -> int:
-    """The shared memory a CTA of ``wpt`` warps per tile and ``tpc`` tiles takes for ``m`` rows of x."""
+def smem_bytes(m: int, wpt: int, tpc: int, stages: int | None = None) -> int:
+    """The shared memory a CTA of ``wpt`` warps per tile and ``tpc`` tiles takes for ``m`` rows of x, with
+    ``stages`` blocks in flight a warp at one token (default 3; more tokens take 2)."""
     mt = 1 if m == 1 else 8 if m <= 8 else 16
-    per_warp = REC_BYTES + (3 if mt == 1 else 2) * BLOCK_BYTES
+    per_warp = REC_BYTES + ((stages or 3) if mt == 1 else 2) * BLOCK_BYTES
     staged = wpt * (mt * XSTRIDE * 2 + (CHUNK * 2 if mt == 1 else 0)) + wpt * tpc * per_warp
     return max(staged, wpt * tpc * (TILE_ROWS * mt + 1) * 4)
 
@@ -128,15 +142,18 @@ def linear(x: torch.Tensor, layout: Int8xPlanes, out: torch.Tensor | None = None
     """``y = x @ W^T`` for 2-D fp16 / bf16 ``x`` of shape ``(M, K)`` on the tensor cores, W decoded in registers;
     ``y`` in x's dtype (or written into ``out``, any strides).
 
-    One pass over the weight per 16 rows of x (grid.y slices larger M), fp32 accumulation. ``x`` may have any
+    One pass over the weight per 16 rows of x (grid.y slices larger M), fp32 accumulation. On compute capability 9
+    the kernel is a programmatic dependent launch: its first weight blocks load while the kernel before it in the
+    stream finishes; it reads x only after that kernel's writes are visible. ``x`` may have any
     row stride; a column stride other than 1 costs a contiguous copy. ``config``: None (the kernel's choice by
-    shape, :func:`default_config`) or ``(warps, tiles_per_cta)`` (or a dict with those keys), see
+    shape, :func:`default_config`) or ``(warps, tiles_per_cta[, stages])`` (or a dict with those keys), see
     :func:`resolve_config`; tiles of one CTA share each chunk's staged x."""
+    m = x.shape[0] if x.dim() == 2 else 2
     if config is not None:
-        wpt, _, tpc = resolve_config(config, layout.k)
+        wpt, _, tpc, stages = resolve_config(config, layout.k, m)
         # Checked here, not in the extension: an error raised inside it ends the process on some CUDA images.
         allowed = _device(x.device)[1]
-        need = smem_bytes(x.shape[0] if x.dim() == 2 else 2, wpt, tpc)
+        need = smem_bytes(m, wpt, tpc, stages)
         if need > allowed:
             raise ValueError(f"int8x planes cuda linear: config {config!r} needs {need} bytes of shared memory for "
                              f"M={x.shape[0] if x.dim() == 2 else '?'}, the device allows {allowed}")
@@ -155,6 +172,6 @@ def linear(x: torch.Tensor, layout: Int8xPlanes, out: torch.Tensor | None = None
     if x.stride(1) != 1 and layout.k > 1:
         x = x.contiguous()
     if config is None:
-        wpt, _, tpc = default_config(x.shape[0], layout.n, layout.k, *_device(x.device))
-    extension().linear(x, *layout.tensors, layout.n, layout.k, out, wpt, tpc)
+        wpt, _, tpc, stages = default_config(x.shape[0], layout.n, layout.k, *_device(x.device))
+    extension().linear(x, *layout.tensors, layout.n, layout.k, out, wpt, tpc, stages)
     return out

@@ -199,24 +199,32 @@ def test_cuda_config_validation():
     """Explicit GEMV configurations are checked on the host, without a GPU."""
     from vllm_parity.serving import int8x_planes_cuda as kc
 
-    assert kc.resolve_config((8, 1), 4096) == (8, 1, 1)      # 8 chunks: one a warp
-    assert kc.resolve_config((3, 2), 4096) == (3, 3, 2)      # 3 chunks a warp -> 3 warps
-    assert kc.resolve_config((16, 1), 14336) == (14, 2, 1)   # 28 chunks
-    assert kc.resolve_config({"warps": 4, "tiles_per_cta": 4}, 600) == (2, 1, 4)
-    # the launch taken without a config (H200: 132 SMs): runs of 2 chunks a warp at M = 1 and 8 chunks, else 4;
-    # at M > 1 tiles a CTA as 16 warps and half a CTA an SM allow
-    assert kc.default_config(1, 14336, 4096, 132) == (4, 2, 1)
-    assert kc.default_config(1, 4096, 14336, 132) == (7, 4, 1)
-    assert kc.default_config(4, 14336, 4096, 132) == (2, 4, 4)
-    assert kc.default_config(16, 14336, 4096, 132) == (2, 4, 4)
-    assert kc.default_config(16, 4096, 14336, 132) == (7, 4, 2)    # 128 CTAs
-    assert kc.default_config(16, 4096, 65536, 132) == (8, 16, 1)   # 8 warps at most for 16 tokens (shared memory)
-    assert kc.default_config(5, 100, 600, 132) == (1, 2, 1)        # 7 tiles: one a CTA
-    assert kc.default_config(16, 14336, 4096, 132, smem_max=40 * 1024) == (1, 8, 2)  # fewer warps where less fits
+    assert kc.resolve_config((8, 1), 4096) == (8, 1, 1, 3)      # 8 chunks: one a warp; 3 blocks in flight at M = 1
+    assert kc.resolve_config((3, 2), 4096) == (3, 3, 2, 3)      # 3 chunks a warp -> 3 warps
+    assert kc.resolve_config((16, 1), 14336) == (14, 2, 1, 3)   # 28 chunks
+    assert kc.resolve_config({"warps": 4, "tiles_per_cta": 4}, 600) == (2, 1, 4, 3)
+    assert kc.resolve_config((4, 1, 2), 4096) == (4, 2, 1, 2)   # 2 blocks in flight
+    assert kc.resolve_config({"warps": 4, "tiles_per_cta": 1, "stages": 2}, 4096) == (4, 2, 1, 2)
+    assert kc.resolve_config((4, 1, 3), 4096, m=5) == (4, 2, 1, 2)  # more tokens always take 2
+    # the launch taken without a config (H200: 132 SMs): runs of 4 chunks a warp (M = 1: 2 up to 8 chunks, or 1
+    # where runs of 2 leave fewer than 16 warps an SM; else 3) and 2 blocks in flight; at M > 1 tiles a CTA as 16
+    # warps and half a CTA an SM allow
+    assert kc.default_config(1, 14336, 4096, 132) == (4, 2, 1, 2)
+    assert kc.default_config(1, 4096, 4096, 132) == (8, 1, 1, 2)     # 256 tiles x 4 warps < 16 x 132
+    assert kc.default_config(1, 8448, 4096, 132) == (4, 2, 1, 2)     # 528 tiles x 4 warps = 16 x 132
+    assert kc.default_config(1, 4096, 14336, 132) == (10, 3, 1, 2)
+    assert kc.default_config(1, 4096, 11008, 132) == (8, 3, 1, 2)
+    assert kc.default_config(4, 14336, 4096, 132) == (2, 4, 4, 2)
+    assert kc.default_config(16, 14336, 4096, 132) == (2, 4, 4, 2)
+    assert kc.default_config(16, 4096, 14336, 132) == (7, 4, 2, 2)    # 128 CTAs
+    assert kc.default_config(16, 4096, 65536, 132) == (8, 16, 1, 2)   # 8 warps at most for 16 tokens (shared memory)
+    assert kc.default_config(5, 100, 600, 132) == (1, 2, 1, 2)        # 7 tiles: one a CTA
+    assert kc.default_config(16, 14336, 4096, 132, smem_max=40 * 1024) == (1, 8, 2, 2)  # fewer warps where less fits
     for bad, match in [((0, 1), "warps must be 1 .. 16"), ((17, 1), "warps must be 1 .. 16"),
                        ((4, 0), "tiles_per_cta must be 1 .. 4"), ((4, 5), "tiles_per_cta must be 1 .. 4"),
-                       ((4,), "two ints"), ((4.0, 1), "two ints"), ("8x1", "two ints"),
-                       ((4, 1, True), "two ints"), ((True, 1), "two ints")]:
+                       ((4, 1, 4), r"stages must be one of \(2, 3\)"), ((4, 1, 1), "stages must be one of"),
+                       ((4,), "ints"), ((4.0, 1), "ints"), ("8x1", "ints"), ((4, 1, 3, 1), "ints"),
+                       ((4, 1, True), "ints"), ((True, 1), "ints")]:
         with pytest.raises(ValueError, match=match):
             kc.resolve_config(bad, 4096)
     with pytest.raises(ValueError, match="1024 threads for K=4096, more than the kernel's 512"):
@@ -225,6 +233,8 @@ def test_cuda_config_validation():
     # elements; one token: the chunk again in B-fragment order, 1024 bytes), per warp 1568 bytes of records and
     # 3 (one token) or 2 blocks of 2560 bytes, or the reduction's (16 rows x tokens + 1) x 4 bytes per warp if larger
     assert kc.smem_bytes(1, 8, 1) == 8 * (1040 + 1024) + 8 * (1568 + 3 * 2560)
+    assert kc.smem_bytes(1, 8, 1, 2) == 8 * (1040 + 1024) + 8 * (1568 + 2 * 2560)
+    assert kc.smem_bytes(5, 4, 2, 3) == kc.smem_bytes(5, 4, 2)  # more tokens: 2 blocks whatever stages says
     assert kc.smem_bytes(5, 4, 2) == 4 * 8 * 1040 + 8 * (1568 + 2 * 2560)
     assert kc.smem_bytes(16, 16, 1) == 16 * 16 * 1040 + 16 * (1568 + 2 * 2560) > 227 * 1024  # the device cannot
     assert kc.smem_bytes(16, 1, 4) == max(16 * 1040 + 4 * (1568 + 2 * 2560), 4 * (16 * 16 + 1) * 4)
@@ -309,15 +319,17 @@ def test_gpu_linear_every_weight_a_fixup(dtype):
             assert_rel_close(y, _ref(x, q), LINEAR_BOUND[dtype], f"M={m} {dtype} config {config}")
 
 
-GPU_CONFIGS = [(1, 1), (2, 1), (3, 1), (8, 1), (16, 1), (1, 2), (2, 2), (3, 3), (4, 4), (8, 2), (4, 2)]
+GPU_CONFIGS = [(1, 1), (2, 1), (3, 1), (8, 1), (16, 1), (1, 2), (2, 2), (3, 3), (4, 4), (8, 2), (4, 2), (1, 1, 2),
+               (3, 1, 2), (16, 1, 2), (2, 2, 2)]
 
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("config", GPU_CONFIGS, ids=["w{}t{}".format(*c) for c in GPU_CONFIGS])
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=["w{}t{}".format(*c) + ("s{}".format(*c[2:]) if c[2:] else "")
+                                                     for c in GPU_CONFIGS])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_linear_configs(config, dtype):
-    """Explicit (warps, tiles_per_cta) against the reference for M in 1, 5, 8, 9, 16, 23, 40: 7 tiles (a partial
+    """Explicit (warps, tiles_per_cta[, stages]) against the reference for M in 1, 5, 8, 9, 16, 23, 40: 7 tiles (a partial
     last CTA for 2, 3, 4 tiles a CTA), 6 chunks (uneven runs)."""
     kc = _cuda_ready()
     g = torch.Generator().manual_seed(12)
@@ -329,6 +341,32 @@ def test_gpu_linear_configs(config, dtype):
         with poisoned_allocations():
             y = kc.linear(x, lay, config=config)
         assert_rel_close(y, _ref(x, q), LINEAR_BOUND[dtype], f"config {config} M={m} {dtype}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_gpu_linear_dependent_launch_waits_for_its_input(m):
+    """Two GEMVs chained in a CUDA graph, each a programmatic dependent launch on compute capability 9: the second
+    reads the first's output only after it is written (both outputs hold NaN before every replay)."""
+    kc = _cuda_ready()
+    g = torch.Generator().manual_seed(15)
+    q = seed_mix(1024, 1024, seed=16)
+    lay = _layout(q, scale=0.01, device="cuda")
+    x = torch.randn(m, 1024, generator=g).to("cuda", torch.bfloat16)
+    kc.linear(kc.linear(x, lay), lay)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y1 = kc.linear(x, lay)
+        y2 = kc.linear(y1, lay)
+    for i in range(3):
+        y1.fill_(float("nan"))
+        y2.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_rel_close(y1, _ref(x, q, 0.01), LINEAR_BOUND[torch.bfloat16], f"first GEMV, replay {i}")
+        assert_rel_close(y2, _ref(y1, q, 0.01), LINEAR_BOUND[torch.bfloat16], f"second GEMV, replay {i}")
 
 
 @pytest.mark.gpu

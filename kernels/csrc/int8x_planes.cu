@@ -12,7 +12,7 @@
 //    chunk again in B-fragment order, so that a lane reads 4 k-steps of B in two 16-byte loads, the token in every
 //    column of B (no lane-dependent branch). With one tile per CTA the warp stages alone (__syncwarp), else the
 //    tiles' warps meet at a named barrier (one per chunk run),
-//  * per 256-column block (the next NSTAGE - 1 in flight to shared memory by cp.async meanwhile) runs 16
+//  * per 256-column block (the next 1 or 2 in flight to shared memory by cp.async meanwhile) runs 16
 //    mma.m16n8k16 (two per k-step for M > 8) with A decoded from the plane: a pair of codes c becomes
 //    the fp16 / bf16 pair 32 + c with two lop3 (nibbles, bit 4 and the magic number 32.0), minus 48 in one
 //    packed subtraction at M > 1; at M = 1 the CTA subtracts 48 * sum(x) once instead (exact: small integers).
@@ -21,6 +21,8 @@
 //  * then the records, landed by now: lane l walks those of row l % 16 with parity l / 16, adding
 //    h * x[token][column] per token to fp32 registers.
 // The warps' accumulators and 32 * fixup sums meet in shared memory; the CTA writes scale * sum in y's dtype.
+// On compute capability 9 the GEMV is a programmatic dependent launch: the first blocks and record table entries are
+// put in flight before griddepcontrol.wait, x is read and y written after it.
 //
 // Decode: one warp per (tile, step) block: its records go to shared memory by cp.async while the codes go to a
 // shared [16][256] int8 tile; the records of its half of the chunk patch it, then the lanes write 16-byte vectors
@@ -48,6 +50,8 @@ constexpr int REC_CAP = 1024;    // fixup records staged per warp at a time (a b
 constexpr uint32_t FULL = 0xffffffffu;
 
 using parity::from_f;
+using parity::pdl_launch_dependents;
+using parity::pdl_wait;
 using parity::to_f;
 
 struct Layout {
@@ -165,19 +169,19 @@ struct XStage {
   // One token: the row, then the chunk again in B-fragment order (xperm), so a lane reads 4 k-steps of B with
   // two 16-byte loads.
   static constexpr int BYTES = XT * XSTRIDE * 2 + (MT == 1 ? CHUNK_COLS * 2 : 0);  // a multiple of 16
-  // Blocks of the plane in flight to shared memory per warp (cp.async): the one computed and the next
-  // NSTAGE - 1.
-  static constexpr int NSTAGE = MT == 1 ? 3 : 2;
-  static constexpr int WARP_BYTES = REC_BYTES + NSTAGE * BLOCK_VEC * 16;  // records and blocks of one warp
 };
+
+// Records and blocks of one warp: the blocks of the plane in flight to shared memory (cp.async) are the one
+// computed and the next ns - 1 (ns = 2 or 3 at one token, 2 for more).
+__host__ __device__ constexpr int warp_bytes(int ns) { return REC_BYTES + ns * BLOCK_VEC * 16; }
 
 // Shared memory of a CTA: wpt x slices, then per warp its records and its blocks; the reduction reuses it from
 // the start.
 template <int MT>
-__host__ __device__ constexpr int64_t linear_smem(int wpt, int tpc) {
-  return (int64_t)wpt * XStage<MT>::BYTES + (int64_t)wpt * tpc * XStage<MT>::WARP_BYTES >
+__host__ __device__ constexpr int64_t linear_smem(int wpt, int tpc, int ns) {
+  return (int64_t)wpt * XStage<MT>::BYTES + (int64_t)wpt * tpc * warp_bytes(ns) >
                  (int64_t)wpt * tpc * (TILE_ROWS * MT + 1) * 4
-             ? (int64_t)wpt * XStage<MT>::BYTES + (int64_t)wpt * tpc * XStage<MT>::WARP_BYTES
+             ? (int64_t)wpt * XStage<MT>::BYTES + (int64_t)wpt * tpc * warp_bytes(ns)
              : (int64_t)wpt * tpc * (TILE_ROWS * MT + 1) * 4;
 }
 
@@ -203,8 +207,8 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // Records [r0, r0 + cnt) in flight to the warp's buffer as one cp.async group (empty for cnt = 0; the kernel waits
-// for it before reading): the
-// 16-byte vectors of fx_pos and fx_h that hold them (the host checks both tensors are 16-byte aligned).
+// for it before reading): the 16-byte vectors of fx_pos and fx_h that hold them (the host checks both tensors are
+// 16-byte aligned), one loop over both so that a lane issues one or two copies for a typical group.
 // Returns where record r0's position and code byte land: pos at rbuf[o.x + i], code byte at
 // rbuf[REC_POS_BYTES + o.y + ((i + (r0 & 1)) >> 1)].
 __device__ __forceinline__ int2 stage_records_async(const Layout& L, int64_t r0, int cnt, uint8_t* rbuf, int lane) {
@@ -213,21 +217,22 @@ __device__ __forceinline__ int2 stage_records_async(const Layout& L, int64_t r0,
     return make_int2(0, 0);
   }
   const uintptr_t p0 = reinterpret_cast<uintptr_t>(L.fx_pos + r0), pa = p0 & ~(uintptr_t)15;
-  const uintptr_t pend = reinterpret_cast<uintptr_t>(L.fx_pos + L.n_rec);
-  const int npv = (int)((p0 + cnt - pa + 15) >> 4);
-  for (int i = lane; i < npv; i += 32) {
-    const uintptr_t src = pa + 16 * (uintptr_t)i;
-    cp_async16(rbuf + 16 * i, reinterpret_cast<const void*>(src), (int)min((uintptr_t)16, pend - src));
-  }
   const uintptr_t h0 = reinterpret_cast<uintptr_t>(L.fx_h + (r0 >> 1)), ha = h0 & ~(uintptr_t)15;
-  const uintptr_t hend = reinterpret_cast<uintptr_t>(L.fx_h + ((L.n_rec + 1) >> 1));
-  const int nhv = (int)((reinterpret_cast<uintptr_t>(L.fx_h + ((r0 + cnt + 1) >> 1)) - ha + 15) >> 4);
-  for (int i = lane; i < nhv; i += 32) {
-    const uintptr_t src = ha + 16 * (uintptr_t)i;
-    cp_async16(rbuf + REC_POS_BYTES + 16 * i, reinterpret_cast<const void*>(src), (int)min((uintptr_t)16, hend - src));
+  const int po = (int)(p0 - pa), ho = (int)(h0 - ha);
+  const int npv = (po + cnt + 15) >> 4;
+  const int nhv = (ho + (int)(((r0 + cnt + 1) >> 1) - (r0 >> 1)) + 15) >> 4;
+  // Bytes from each aligned start to its tensor's end (a copy past it is zero-filled).
+  const int64_t pleft = reinterpret_cast<uintptr_t>(L.fx_pos + L.n_rec) - pa;
+  const int64_t hleft = reinterpret_cast<uintptr_t>(L.fx_h + ((L.n_rec + 1) >> 1)) - ha;
+  for (int i = lane; i < npv + nhv; i += 32) {
+    const bool pos = i < npv;
+    const int j = pos ? i : i - npv;
+    const int64_t left = (pos ? pleft : hleft) - 16 * j;
+    cp_async16(rbuf + (pos ? 0 : REC_POS_BYTES) + 16 * j, reinterpret_cast<const void*>((pos ? pa : ha) + 16 * j),
+               left < 16 ? (int)left : 16);
   }
   cp_async_commit();
-  return make_int2((int)(p0 - pa), (int)(h0 - ha));
+  return make_int2(po, ho);
 }
 
 // Where token 0's column j (of a 512-column chunk) sits in the B-fragment copy: block j / 256, group G = k-step
@@ -386,14 +391,15 @@ __device__ __forceinline__ void for_lane_records(const Layout& L, uint8_t* rbuf,
     __syncwarp();  // the records of every lane (and what the lanes wrote before)
     int e = max(row_start + fpar, w0);
     e += (e - row_start - fpar) & 1;  // keep the lane's parity
-    const int e_end = min(row_end, w0 + cnt);
-    const int hbase = (int)((rec0 + w0) & 1);
-    const uint8_t* rpos = rbuf + off.x;
-    const uint8_t* rh = rbuf + REC_POS_BYTES + off.y;
-    for (; e < e_end; e += 2) {
-      const int i = e - w0;
-      const uint32_t nb = (rh[(i + hbase) >> 1] >> (((i + hbase) & 1) * 4)) & 15u;
-      f((int)rpos[i] | (int)(nb >> 3) << 8, nb);
+    // The lane's records are every second one: positions two bytes apart, codes in consecutive bytes at one nibble.
+    const int i0 = e - w0, hi = i0 + (int)((rec0 + w0) & 1);
+    const uint8_t* rpos = rbuf + off.x + i0;
+    const uint8_t* rh = rbuf + REC_POS_BYTES + off.y + (hi >> 1);
+    const int sh = (hi & 1) * 4;
+#pragma unroll 1
+    for (int n = (min(row_end, w0 + cnt) - e + 1) >> 1; n > 0; --n, rpos += 2, ++rh) {
+      const uint32_t nb = ((uint32_t)*rh >> sh) & 15u;
+      f((int)*rpos | (int)(nb >> 3) << 8, nb);
     }
   }
 }
@@ -410,7 +416,7 @@ __device__ __forceinline__ void apply_fixups(const Layout& L, float (&fx)[MT], c
   });
 }
 
-// Launch bound: up to 512 threads a CTA (ptxas: no spills, ~110 registers at one token).
+// Launch bound: up to 512 threads a CTA (ptxas: no spills, 79-96 registers).
 constexpr int MAX_THREADS = 512;
 
 // Blocks go to shared memory by cp.async, NSTAGE - 1 ahead of the one computed, each lane copying (and later
@@ -418,20 +424,22 @@ constexpr int MAX_THREADS = 512;
 // read a chunk ahead), x staged, the two blocks' MMAs, then the records applied, by then landed. Every block and
 // every chunk's records is one cp.async group, empty where there is nothing to copy, so the number of groups
 // newer than the one awaited is fixed.
-template <int MT, bool SHARED, typename T>
-__global__ void __launch_bounds__(MAX_THREADS)
+// MT = 8: without the minimum of one CTA an SM, ptxas caps the one-tile kernel at 64 registers and spills.
+template <int MT, int NSTAGE, bool SHARED, typename T>
+__global__ void __launch_bounds__(MAX_THREADS, MT == 8 ? 1 : 0)
     linear_kernel(Layout L, const T* __restrict__ x, int64_t sxm, bool xvec, T* __restrict__ y, int64_t sym,
                   int64_t syn, int M, int cpw, int tpc, const float* __restrict__ scale) {
   constexpr int NT = MT > 8 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem[];
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int wpt = nwarps / tpc;                  // warps per tile
   const int tl = warp / wpt, run = warp - tl * wpt;  // the warp's tile in the CTA, its chunk run
   const int gl = tl * 32 + lane, gsize = tpc * 32;   // the warp's lanes among the run's stagers
   T* xs = reinterpret_cast<T*>(smem + run * XStage<MT>::BYTES);
   const uint32_t* xb = reinterpret_cast<const uint32_t*>(xs + XSTRIDE);  // MT = 1 only
-  constexpr int NSTAGE = XStage<MT>::NSTAGE;
-  uint8_t* rbuf = smem + (int64_t)wpt * XStage<MT>::BYTES + warp * XStage<MT>::WARP_BYTES;
+  static_assert(NSTAGE == 2 || (NSTAGE == 3 && MT == 1), "blocks in flight: 2, or 3 at one token");
+  uint8_t* rbuf = smem + (int64_t)wpt * XStage<MT>::BYTES + warp * warp_bytes(NSTAGE);
   uint4* pbuf = reinterpret_cast<uint4*>(rbuf + REC_BYTES);  // NSTAGE blocks of BLOCK_VEC vectors
 
   const int64_t tiles = (L.n + TILE_ROWS - 1) / TILE_ROWS;
@@ -482,6 +490,7 @@ __global__ void __launch_bounds__(MAX_THREADS)
     row_end = __ldg(L.fx_ends + grp * TILE_ROWS + fr);
     row_start = fr ? __ldg(L.fx_ends + grp * TILE_ROWS + fr - 1) : 0;
   }
+  pdl_wait();  // the weight's first blocks and table entries are in flight; x and y only from here
   XAhead xa;  // MT = 1: the next chunk's x
   if constexpr (MT == 1)
     if (b_begin < b_end) load_x1(xa, x, L.k, b_begin * STEP_COLS, xvec, gl, gsize);
@@ -725,7 +734,7 @@ struct LinearConfig {
 // warps (the most warps per tile) and tpc as the host chose them (int8x_planes_cuda.default_config, or the
 // caller's config).
 template <int MT>
-LinearConfig linear_config(int chunks, int64_t warps, int64_t tpc, int64_t smem_max) {
+LinearConfig linear_config(int chunks, int64_t warps, int64_t tpc, int ns, int64_t smem_max) {
   LinearConfig c;
   TORCH_CHECK(warps >= 1 && warps <= MAX_CTA_WARPS, "int8x planes cuda linear: warps per tile must be 1 .. ",
               MAX_CTA_WARPS, ", got ", warps);
@@ -737,41 +746,47 @@ LinearConfig linear_config(int chunks, int64_t warps, int64_t tpc, int64_t smem_
               " tiles per CTA = ", c.wpt * c.tpc * 32, " threads, more than the launch bound of ", MAX_THREADS);
   TORCH_CHECK(c.tpc == 1 || c.wpt <= 15, "int8x planes cuda linear: with several tiles per CTA at most 15 warps "
               "per tile (named barriers), got ", c.wpt);
-  const int64_t smem = linear_smem<MT>(c.wpt, c.tpc);
+  const int64_t smem = linear_smem<MT>(c.wpt, c.tpc, ns);
   TORCH_CHECK(smem <= smem_max, "int8x planes cuda linear: ", c.wpt, " warps per tile x ", c.tpc,
               " tiles per CTA need ", smem, " bytes of shared memory, the device allows ", smem_max);
   return c;
 }
 
+// stages: blocks in flight per warp at one token (2 or 3); more tokens take 2.
 template <int MT, typename T>
 void launch_linear(const Layout& L, const torch::Tensor& x, bool xvec, torch::Tensor& out, int M, const float* sp,
-                   cudaStream_t stream, int64_t smem_max, int64_t warps, int64_t tpc) {
+                   cudaStream_t stream, int64_t smem_max, int64_t warps, int64_t tpc, int64_t stages) {
+  TORCH_CHECK(stages == 2 || stages == 3, "int8x planes cuda linear: stages must be 2 or 3, got ", stages);
+  const int ns = MT == 1 ? (int)stages : 2;
   const int64_t tiles = (L.n + TILE_ROWS - 1) / TILE_ROWS;
-  const LinearConfig c = linear_config<MT>(L.steps / 2, warps, tpc, smem_max);
-  const int64_t smem = linear_smem<MT>(c.wpt, c.tpc);
-  auto kernel = c.tpc > 1 ? linear_kernel<MT, true, T> : linear_kernel<MT, false, T>;
-  set_smem(kernel, smem);
+  const LinearConfig c = linear_config<MT>(L.steps / 2, warps, tpc, ns, smem_max);
+  const int64_t smem = linear_smem<MT>(c.wpt, c.tpc, ns);
+  auto kernel = c.tpc > 1 ? linear_kernel<MT, 2, true, T> : linear_kernel<MT, 2, false, T>;
+  if constexpr (MT == 1)
+    if (ns == 3) kernel = c.tpc > 1 ? linear_kernel<MT, 3, true, T> : linear_kernel<MT, 3, false, T>;
   const dim3 grid((unsigned)((tiles + c.tpc - 1) / c.tpc), (unsigned)((M + 15) / 16));
-  kernel<<<grid, c.wpt * c.tpc * 32, smem, stream>>>(L, reinterpret_cast<const T*>(x.data_ptr()), x.stride(0), xvec,
-                                                     reinterpret_cast<T*>(out.data_ptr()), out.stride(0),
-                                                     out.stride(1), M, c.cpw, c.tpc, sp);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // Programmatic dependent launch on compute capability 9: the call's first weight blocks load while the kernel
+  // before it in the stream finishes.
+  const bool pdl = parity::device_info(x.get_device()).major >= 9;
+  parity::launch_kernel(kernel, grid, c.wpt * c.tpc * 32, (int)smem, pdl, stream, L,
+                        reinterpret_cast<const T*>(x.data_ptr()), x.stride(0), xvec,
+                        reinterpret_cast<T*>(out.data_ptr()), out.stride(0), out.stride(1), M, c.cpw, c.tpc, sp);
 }
 
 template <typename T>
 void linear_t(const Layout& L, const torch::Tensor& x, bool xvec, torch::Tensor& out, int M, const float* sp,
-              cudaStream_t stream, int64_t smem_max, int64_t warps, int64_t tpc) {
+              cudaStream_t stream, int64_t smem_max, int64_t warps, int64_t tpc, int64_t stages) {
   if (M == 1)
-    launch_linear<1, T>(L, x, xvec, out, M, sp, stream, smem_max, warps, tpc);
+    launch_linear<1, T>(L, x, xvec, out, M, sp, stream, smem_max, warps, tpc, stages);
   else if (M <= 8)
-    launch_linear<8, T>(L, x, xvec, out, M, sp, stream, smem_max, warps, tpc);
+    launch_linear<8, T>(L, x, xvec, out, M, sp, stream, smem_max, warps, tpc, stages);
   else
-    launch_linear<16, T>(L, x, xvec, out, M, sp, stream, smem_max, warps, tpc);
+    launch_linear<16, T>(L, x, xvec, out, M, sp, stream, smem_max, warps, tpc, stages);
 }
 
 void linear(torch::Tensor x, torch::Tensor planes, torch::Tensor fx_pos, torch::Tensor fx_h, torch::Tensor fx_base,
             torch::Tensor fx_ends, torch::Tensor scale, int64_t n_rows, int64_t n_cols, torch::Tensor out,
-            int64_t warps, int64_t tiles_per_cta) {
+            int64_t warps, int64_t tiles_per_cta, int64_t stages) {
   const Layout L = make_layout(planes, fx_pos, fx_h, fx_base, fx_ends, scale, n_rows, n_cols);
   TORCH_CHECK(x.is_cuda() && x.device() == planes.device(), "int8x planes cuda linear: x must be on ",
               planes.device(), ", got ", x.device());
@@ -797,9 +812,9 @@ void linear(torch::Tensor x, torch::Tensor planes, torch::Tensor fx_pos, torch::
   const bool xvec = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && (x.stride(0) * 2) % 16 == 0;
   const float* sp = scale.data_ptr<float>();
   if (x.scalar_type() == torch::kFloat16)
-    linear_t<__half>(L, x, xvec, out, M, sp, stream, smem_max, warps, tiles_per_cta);
+    linear_t<__half>(L, x, xvec, out, M, sp, stream, smem_max, warps, tiles_per_cta, stages);
   else
-    linear_t<__nv_bfloat16>(L, x, xvec, out, M, sp, stream, smem_max, warps, tiles_per_cta);
+    linear_t<__nv_bfloat16>(L, x, xvec, out, M, sp, stream, smem_max, warps, tiles_per_cta, stages);
 }
 
 void decode(torch::Tensor planes, torch::Tensor fx_pos, torch::Tensor fx_h, torch::Tensor fx_base,
@@ -843,7 +858,8 @@ void decode(torch::Tensor planes, torch::Tensor fx_pos, torch::Tensor fx_h, torc
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "int8x planes fused decode-GEMV: out = x @ W^T", py::arg("x"), py::arg("planes"),
         py::arg("fx_pos"), py::arg("fx_h"), py::arg("fx_base"), py::arg("fx_ends"), py::arg("scale"),
-        py::arg("n_rows"), py::arg("n_cols"), py::arg("out"), py::arg("warps"), py::arg("tiles_per_cta"));
+        py::arg("n_rows"), py::arg("n_cols"), py::arg("out"), py::arg("warps"), py::arg("tiles_per_cta"),
+        py::arg("stages"));
   m.def("decode", &decode, "int8x planes decode into out (n_rows, n_cols)", py::arg("planes"), py::arg("fx_pos"),
         py::arg("fx_h"), py::arg("fx_base"), py::arg("fx_ends"), py::arg("scale"), py::arg("n_rows"),
         py::arg("n_cols"), py::arg("out"));

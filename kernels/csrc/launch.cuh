@@ -1,4 +1,4 @@
-// Host-side launch helpers shared by the extensions.
+// Launch helpers shared by the extensions.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -34,6 +34,37 @@ inline DeviceInfo device_info(int dev) {
     known[dev] = DeviceInfo{prop.multiProcessorCount, prop.major, prop.minor};
   }
   return known[dev];
+}
+
+// Programmatic dependent launch (sm_90): the next kernel in the stream may start once every block of this one has
+// begun, and its own wait returns when this one has finished and its writes are visible. A kernel launched so
+// reads only what nothing in the stream writes (its weights) before waiting, and writes nothing before.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Launches kern with dynamic shared memory smem, as a programmatic dependent launch when pdl is set.
+template <typename Kern, typename... Args>
+void launch_kernel(Kern kern, dim3 grid, int threads, int smem, bool pdl, cudaStream_t stream, Args... args) {
+  set_smem(kern, smem);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, args...));
 }
 
 }  // namespace parity

@@ -42,19 +42,9 @@ __device__ __forceinline__ float scale_at(const float* __restrict__ scale, int n
   return MODE == 0 ? 1.0f : scale[(int64_t)n * G + k / GS];
 }
 
-// Programmatic dependent launch (sm_90): the next kernel in the stream may start once every block of
-// this one has begun, and its own wait returns when this one has finished and its writes are visible.
+using parity::pdl_launch_dependents;
+using parity::pdl_wait;
 // The kernels read the weights before waiting (nothing in the stream writes them) and x, sx, y after.
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
 
 // ---------------------------------------------------------------------------------------------
 // Per-token absmax int8 fake quantization: one block per row.
@@ -501,22 +491,7 @@ mma_kernel(const T* __restrict__ x, int64_t sxm, const void* __restrict__ w, con
   store_tile<T, TN, MB, GROUP>(acc, red, scale, bias, sx, y, M, N, G, nt0, blockIdx.y * MB * 8);
 }
 
-// Launches kern with dynamic shared memory smem, as a programmatic dependent launch when pdl is set.
-template <typename Kern, typename... Args>
-void launch_kernel(Kern kern, dim3 grid, int threads, int smem, bool pdl, cudaStream_t stream, Args... args) {
-  if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, args...));
-}
+using parity::launch_kernel;
 
 struct MmaArgs {
   int64_t sxm;
