@@ -76,8 +76,8 @@ def resolve_config(config, k: int, m: int = 1) -> tuple[int, int, int, int]:
     """The launch an explicit ``config = (warps, tiles_per_cta[, stages])`` gives for ``k`` columns and ``m``
     tokens: ``(warps_per_tile, chunks_per_warp, tiles_per_cta, stages)``. ``warps`` is the most warps per tile:
     the tile's ceil(k / 512) chunks go to ceil(chunks / warps) chunks a warp, as few warps as that needs.
-    ``stages``: blocks of the plane in flight per warp at one token, 2 or 3 (default 3); more tokens always take
-    2. ``ValueError`` for a config the kernels cannot launch (shared memory is checked at the launch, against the
+    ``stages``: blocks of the plane in flight per warp at one token, 2 (the default) or 3; more tokens always
+    take 2. ``ValueError`` for a config the kernels cannot launch (shared memory is checked at the launch, against the
     device)."""
     warps, tpc, stages = _parse(config)
     if not 1 <= warps <= MAX_WARPS:
@@ -92,7 +92,7 @@ def resolve_config(config, k: int, m: int = 1) -> tuple[int, int, int, int]:
     if wpt * tpc * 32 > MAX_THREADS:
         raise ValueError(f"int8x planes cuda linear: config {config!r} gives {wpt} warps per tile x {tpc} tiles "
                          f"per CTA = {wpt * tpc * 32} threads for K={k}, more than the kernel's {MAX_THREADS}")
-    return wpt, cpw, tpc, (stages or 3) if m == 1 else 2
+    return wpt, cpw, tpc, stages if m == 1 and stages else 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,9 +131,9 @@ def default_config(m: int, n: int, k: int, sms: int, smem_max: int = 227 * 1024)
 
 def smem_bytes(m: int, wpt: int, tpc: int, stages: int | None = None) -> int:
     """The shared memory a CTA of ``wpt`` warps per tile and ``tpc`` tiles takes for ``m`` rows of x, with
-    ``stages`` blocks in flight a warp at one token (default 3; more tokens take 2)."""
+    ``stages`` blocks in flight a warp at one token (default 2; more tokens take 2)."""
     mt = 1 if m == 1 else 8 if m <= 8 else 16
-    per_warp = REC_BYTES + ((stages or 3) if mt == 1 else 2) * BLOCK_BYTES
+    per_warp = REC_BYTES + (stages if mt == 1 and stages else 2) * BLOCK_BYTES
     staged = wpt * (mt * XSTRIDE * 2 + (CHUNK * 2 if mt == 1 else 0)) + wpt * tpc * per_warp
     return max(staged, wpt * tpc * (TILE_ROWS * mt + 1) * 4)
 

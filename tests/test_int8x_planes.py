@@ -199,12 +199,12 @@ def test_cuda_config_validation():
     """Explicit GEMV configurations are checked on the host, without a GPU."""
     from vllm_parity.serving import int8x_planes_cuda as kc
 
-    assert kc.resolve_config((8, 1), 4096) == (8, 1, 1, 3)      # 8 chunks: one a warp; 3 blocks in flight at M = 1
-    assert kc.resolve_config((3, 2), 4096) == (3, 3, 2, 3)      # 3 chunks a warp -> 3 warps
-    assert kc.resolve_config((16, 1), 14336) == (14, 2, 1, 3)   # 28 chunks
-    assert kc.resolve_config({"warps": 4, "tiles_per_cta": 4}, 600) == (2, 1, 4, 3)
-    assert kc.resolve_config((4, 1, 2), 4096) == (4, 2, 1, 2)   # 2 blocks in flight
-    assert kc.resolve_config({"warps": 4, "tiles_per_cta": 1, "stages": 2}, 4096) == (4, 2, 1, 2)
+    assert kc.resolve_config((8, 1), 4096) == (8, 1, 1, 2)      # 8 chunks: one a warp; 2 blocks in flight
+    assert kc.resolve_config((3, 2), 4096) == (3, 3, 2, 2)      # 3 chunks a warp -> 3 warps
+    assert kc.resolve_config((16, 1), 14336) == (14, 2, 1, 2)   # 28 chunks
+    assert kc.resolve_config({"warps": 4, "tiles_per_cta": 4}, 600) == (2, 1, 4, 2)
+    assert kc.resolve_config((4, 1, 3), 4096) == (4, 2, 1, 3)   # 3 blocks in flight at M = 1
+    assert kc.resolve_config({"warps": 4, "tiles_per_cta": 1, "stages": 3}, 4096) == (4, 2, 1, 3)
     assert kc.resolve_config((4, 1, 3), 4096, m=5) == (4, 2, 1, 2)  # more tokens always take 2
     # the launch taken without a config (H200: 132 SMs): runs of 4 chunks a warp (M = 1: 2 up to 8 chunks, or 1
     # where runs of 2 leave fewer than 16 warps an SM; else 3) and 2 blocks in flight; at M > 1 tiles a CTA as 16
@@ -231,9 +231,10 @@ def test_cuda_config_validation():
         kc.resolve_config((8, 4), 4096)
     # shared memory, as the kernel lays it out: x staged per warp of a tile (1, 8 or 16 token rows of 520
     # elements; one token: the chunk again in B-fragment order, 1024 bytes), per warp 1568 bytes of records and
-    # 3 (one token) or 2 blocks of 2560 bytes, or the reduction's (16 rows x tokens + 1) x 4 bytes per warp if larger
-    assert kc.smem_bytes(1, 8, 1) == 8 * (1040 + 1024) + 8 * (1568 + 3 * 2560)
-    assert kc.smem_bytes(1, 8, 1, 2) == 8 * (1040 + 1024) + 8 * (1568 + 2 * 2560)
+    # 2 (or 3 at one token, where asked) blocks of 2560 bytes, or the reduction's (16 rows x tokens + 1) x 4 bytes
+    # per warp if larger
+    assert kc.smem_bytes(1, 8, 1) == 8 * (1040 + 1024) + 8 * (1568 + 2 * 2560)
+    assert kc.smem_bytes(1, 8, 1, 3) == 8 * (1040 + 1024) + 8 * (1568 + 3 * 2560)
     assert kc.smem_bytes(5, 4, 2, 3) == kc.smem_bytes(5, 4, 2)  # more tokens: 2 blocks whatever stages says
     assert kc.smem_bytes(5, 4, 2) == 4 * 8 * 1040 + 8 * (1568 + 2 * 2560)
     assert kc.smem_bytes(16, 16, 1) == 16 * 16 * 1040 + 16 * (1568 + 2 * 2560) > 227 * 1024  # the device cannot
@@ -319,8 +320,8 @@ def test_gpu_linear_every_weight_a_fixup(dtype):
             assert_rel_close(y, _ref(x, q), LINEAR_BOUND[dtype], f"M={m} {dtype} config {config}")
 
 
-GPU_CONFIGS = [(1, 1), (2, 1), (3, 1), (8, 1), (16, 1), (1, 2), (2, 2), (3, 3), (4, 4), (8, 2), (4, 2), (1, 1, 2),
-               (3, 1, 2), (16, 1, 2), (2, 2, 2)]
+GPU_CONFIGS = [(1, 1), (2, 1), (3, 1), (8, 1), (16, 1), (1, 2), (2, 2), (3, 3), (4, 4), (8, 2), (4, 2), (1, 1, 3),
+               (3, 1, 3), (16, 1, 3), (2, 2, 3)]
 
 
 @pytest.mark.gpu
