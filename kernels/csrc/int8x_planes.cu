@@ -755,11 +755,11 @@ LinearConfig linear_config(int chunks, int64_t warps, int64_t tpc, int ns, int64
 // stages: blocks in flight per warp at one token (2 or 3); more tokens take 2.
 template <int MT, typename T>
 void launch_linear(const Layout& L, const torch::Tensor& x, bool xvec, torch::Tensor& out, int M, const float* sp,
-                   cudaStream_t stream, int64_t smem_max, int64_t warps, int64_t tpc, int64_t stages) {
+                   cudaStream_t stream, const parity::DeviceInfo& dev, int64_t warps, int64_t tpc, int64_t stages) {
   TORCH_CHECK(stages == 2 || stages == 3, "int8x planes cuda linear: stages must be 2 or 3, got ", stages);
   const int ns = MT == 1 ? (int)stages : 2;
   const int64_t tiles = (L.n + TILE_ROWS - 1) / TILE_ROWS;
-  const LinearConfig c = linear_config<MT>(L.steps / 2, warps, tpc, ns, smem_max);
+  const LinearConfig c = linear_config<MT>(L.steps / 2, warps, tpc, ns, dev.smem_optin);
   const int64_t smem = linear_smem<MT>(c.wpt, c.tpc, ns);
   auto kernel = c.tpc > 1 ? linear_kernel<MT, 2, true, T> : linear_kernel<MT, 2, false, T>;
   if constexpr (MT == 1)
@@ -767,21 +767,20 @@ void launch_linear(const Layout& L, const torch::Tensor& x, bool xvec, torch::Te
   const dim3 grid((unsigned)((tiles + c.tpc - 1) / c.tpc), (unsigned)((M + 15) / 16));
   // Programmatic dependent launch on compute capability 9: the call's first weight blocks load while the kernel
   // before it in the stream finishes.
-  const bool pdl = parity::device_info(x.get_device()).major >= 9;
-  parity::launch_kernel(kernel, grid, c.wpt * c.tpc * 32, (int)smem, pdl, stream, L,
+  parity::launch_kernel(kernel, grid, c.wpt * c.tpc * 32, (int)smem, dev.major >= 9, stream, L,
                         reinterpret_cast<const T*>(x.data_ptr()), x.stride(0), xvec,
                         reinterpret_cast<T*>(out.data_ptr()), out.stride(0), out.stride(1), M, c.cpw, c.tpc, sp);
 }
 
 template <typename T>
 void linear_t(const Layout& L, const torch::Tensor& x, bool xvec, torch::Tensor& out, int M, const float* sp,
-              cudaStream_t stream, int64_t smem_max, int64_t warps, int64_t tpc, int64_t stages) {
+              cudaStream_t stream, const parity::DeviceInfo& dev, int64_t warps, int64_t tpc, int64_t stages) {
   if (M == 1)
-    launch_linear<1, T>(L, x, xvec, out, M, sp, stream, smem_max, warps, tpc, stages);
+    launch_linear<1, T>(L, x, xvec, out, M, sp, stream, dev, warps, tpc, stages);
   else if (M <= 8)
-    launch_linear<8, T>(L, x, xvec, out, M, sp, stream, smem_max, warps, tpc, stages);
+    launch_linear<8, T>(L, x, xvec, out, M, sp, stream, dev, warps, tpc, stages);
   else
-    launch_linear<16, T>(L, x, xvec, out, M, sp, stream, smem_max, warps, tpc, stages);
+    launch_linear<16, T>(L, x, xvec, out, M, sp, stream, dev, warps, tpc, stages);
 }
 
 void linear(torch::Tensor x, torch::Tensor planes, torch::Tensor fx_pos, torch::Tensor fx_h, torch::Tensor fx_base,
@@ -807,14 +806,13 @@ void linear(torch::Tensor x, torch::Tensor planes, torch::Tensor fx_pos, torch::
   if (M == 0) return;
   const c10::cuda::CUDAGuard guard(planes.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
-  int smem_max = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, planes.get_device()));
+  const parity::DeviceInfo dev = parity::device_info(planes.get_device());
   const bool xvec = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && (x.stride(0) * 2) % 16 == 0;
   const float* sp = scale.data_ptr<float>();
   if (x.scalar_type() == torch::kFloat16)
-    linear_t<__half>(L, x, xvec, out, M, sp, stream, smem_max, warps, tiles_per_cta, stages);
+    linear_t<__half>(L, x, xvec, out, M, sp, stream, dev, warps, tiles_per_cta, stages);
   else
-    linear_t<__nv_bfloat16>(L, x, xvec, out, M, sp, stream, smem_max, warps, tiles_per_cta, stages);
+    linear_t<__nv_bfloat16>(L, x, xvec, out, M, sp, stream, dev, warps, tiles_per_cta, stages);
 }
 
 void decode(torch::Tensor planes, torch::Tensor fx_pos, torch::Tensor fx_h, torch::Tensor fx_base,

@@ -17,10 +17,11 @@ void set_smem(K kernel, int64_t bytes) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
 }
 
-// A device's multiprocessors and compute capability, read once per device: an op's call path must not query the
-// driver.
+// A device's multiprocessors, compute capability and the shared memory a block may opt in to, read once per device:
+// an op's call path must not query the driver.
 struct DeviceInfo {
   int sms = 0, major = 0, minor = 0;
+  int64_t smem_optin = 0;
 };
 
 inline DeviceInfo device_info(int dev) {
@@ -31,7 +32,7 @@ inline DeviceInfo device_info(int dev) {
   if (known[dev].sms == 0) {
     cudaDeviceProp prop;
     C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    known[dev] = DeviceInfo{prop.multiProcessorCount, prop.major, prop.minor};
+    known[dev] = DeviceInfo{prop.multiProcessorCount, prop.major, prop.minor, (int64_t)prop.sharedMemPerBlockOptin};
   }
   return known[dev];
 }

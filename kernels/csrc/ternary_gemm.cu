@@ -95,54 +95,42 @@ __device__ __forceinline__ uint64_t swizzle128_desc(uint32_t addr) {
 // d = A (64 x 16, registers) * B (16 x N, shared memory) (+ d where accumulate), fp32 accumulators, issued by a
 // whole warpgroup.
 template <typename T, int N> struct Wgmma;
-#define PARITY_WGMMA_64(T, PTX_T)                                                                                     \
-  template <> struct Wgmma<T, 64> {                                                                                   \
-    static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc,                 \
-                                               int accumulate) {                                                      \
-      asm volatile(                                                                                                   \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                                  \
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_T "." PTX_T " "                                             \
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                                     \
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "                                          \
-        "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"                                                                    \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),             \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),       \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),     \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])      \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));                                    \
-    }                                                                                                                 \
-  };
-#define PARITY_WGMMA_128(T, PTX_T)                                                                                    \
-  template <> struct Wgmma<T, 128> {                                                                                  \
-    static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc,                 \
-                                               int accumulate) {                                                      \
-      asm volatile(                                                                                                   \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                                  \
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_T "." PTX_T " "                                            \
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                                     \
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"                                            \
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"                                            \
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "                                          \
-        "{%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"                                                                    \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),             \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),       \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),     \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),     \
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),     \
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),     \
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),     \
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])      \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));                                    \
-    }                                                                                                                 \
+// One specialization per (T, N): the accumulator registers are %0 .. %(N / 2 - 1), then A's four, the descriptor and
+// the accumulate flag, numbered on from there (the PTX operand list has no arithmetic).
+#define PARITY_F8(i)                                                                                          \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+#define PARITY_D32 PARITY_F8(0), PARITY_F8(8), PARITY_F8(16), PARITY_F8(24)
+#define PARITY_D64 PARITY_D32, PARITY_F8(32), PARITY_F8(40), PARITY_F8(48), PARITY_F8(56)
+#define PARITY_R32                                                                                      \
+  "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27," \
+  "%28,%29,%30,%31"
+#define PARITY_R64                                                                                             \
+  PARITY_R32 ",%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54," \
+             "%55,%56,%57,%58,%59,%60,%61,%62,%63"
+#define PARITY_WGMMA(T, PTX_T, N, DREGS, DOPS, A0, A1, A2, A3, DESC, ACC)                                   \
+  template <> struct Wgmma<T, N> {                                                                          \
+    static __device__ __forceinline__ void run(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc,    \
+                                               int accumulate) {                                            \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #ACC ", 0;\n"                                       \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_T "." PTX_T " "                    \
+                   "{" DREGS "}, {%" #A0 ",%" #A1 ",%" #A2 ",%" #A3 "}, %" #DESC ", p, 1, 1, 0;\n}\n"       \
+                   : DOPS                                                                                   \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));               \
+    }                                                                                                       \
   };
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-PARITY_WGMMA_64(__half, "f16")
-PARITY_WGMMA_64(__nv_bfloat16, "bf16")
-PARITY_WGMMA_128(__half, "f16")
-PARITY_WGMMA_128(__nv_bfloat16, "bf16")
+PARITY_WGMMA(__half, "f16", 64, PARITY_R32, PARITY_D32, 32, 33, 34, 35, 36, 37)
+PARITY_WGMMA(__nv_bfloat16, "bf16", 64, PARITY_R32, PARITY_D32, 32, 33, 34, 35, 36, 37)
+PARITY_WGMMA(__half, "f16", 128, PARITY_R64, PARITY_D64, 64, 65, 66, 67, 68, 69)
+PARITY_WGMMA(__nv_bfloat16, "bf16", 128, PARITY_R64, PARITY_D64, 64, 65, 66, 67, 68, 69)
 #endif
-#undef PARITY_WGMMA_64
-#undef PARITY_WGMMA_128
+#undef PARITY_WGMMA
+#undef PARITY_R64
+#undef PARITY_R32
+#undef PARITY_D64
+#undef PARITY_D32
+#undef PARITY_F8
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
