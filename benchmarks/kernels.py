@@ -593,11 +593,12 @@ def int8x_planes_rows(copy_gbps: float) -> list[dict]:
 
 
 PLANES_SWEEP_WARPS = (1, 2, 3, 4, 6, 8, 12, 16)
-PLANES_SWEEP_TILES = (1, 2, 3, 4)
+PLANES_SWEEP_TILES = (1, 2, 3, 4, 8, 16)
+PLANES_SWEEP_SPLITS = (1, 2, 4, 7, 8)
 
 
 def int8x_planes_sweep(copy_gbps: float) -> list[dict]:
-    """The planes GEMV's launch configurations (``config = (warps, tiles_per_cta[, stages])``, see
+    """The planes GEMV's launch configurations (``config = (warps, tiles_per_cta, stages, splits)``, see
     ``int8x_planes_cuda.resolve_config``; stages at M = 1 only) at both target shapes, both weight distributions
     and M in 1, 4, 16
     (bf16 x), each timed like the rows (CUDA graph, copies rotated over 256 MiB) beside the default and torch
@@ -616,7 +617,7 @@ def int8x_planes_sweep(copy_gbps: float) -> list[dict]:
         for m in (1, 4, 16):
             configs, seen = [None], set()
             for cfg in itertools.product(PLANES_SWEEP_WARPS, PLANES_SWEEP_TILES,
-                                         int8x_planes_cuda.STAGES if m == 1 else (2,)):
+                                         int8x_planes_cuda.STAGES if m == 1 else (2,), PLANES_SWEEP_SPLITS):
                 try:
                     launch = int8x_planes_cuda.resolve_config(cfg, k, m)
                 except ValueError:
@@ -633,7 +634,7 @@ def int8x_planes_sweep(copy_gbps: float) -> list[dict]:
                           else int8x_planes_cuda.resolve_config(cfg, k, m))
                 row = dict(info, M=m, config="default" if cfg is None else list(cfg),
                            launch=dict(warps_per_tile=launch[0], chunks_per_warp=launch[1], tiles_per_cta=launch[2],
-                                       stages=launch[3]),
+                                       stages=launch[3], splits=launch[4]),
                            baseline_us=round(base_us, 3))
                 try:
                     us = graph_us(lambda cfg=cfg: int8x_planes_cuda.linear(x, next_layout(), config=cfg),

@@ -38,7 +38,7 @@ def planes(argv: list[str]) -> int:
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--n", type=int, default=14336)
     ap.add_argument("--dist", choices=("seed-mix", "gaussian-2.5"), default="seed-mix")
-    ap.add_argument("--config", default=None, help="warps,tiles_per_cta (default: the kernel's choice)")
+    ap.add_argument("--config", default=None, help="warps,tiles_per_cta[,stages[,splits]] (default: the kernel's choice)")
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--cache", default=None, help="a file for the packed layout: read if there, else written")
     args = ap.parse_args(argv)

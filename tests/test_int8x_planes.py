@@ -199,46 +199,77 @@ def test_cuda_config_validation():
     """Explicit GEMV configurations are checked on the host, without a GPU."""
     from vllm_parity.serving import int8x_planes_cuda as kc
 
-    assert kc.resolve_config((8, 1), 4096) == (8, 1, 1, 2)      # 8 chunks: one a warp; 2 blocks in flight
-    assert kc.resolve_config((3, 2), 4096) == (3, 3, 2, 2)      # 3 chunks a warp -> 3 warps
-    assert kc.resolve_config((16, 1), 14336) == (14, 2, 1, 2)   # 28 chunks
-    assert kc.resolve_config({"warps": 4, "tiles_per_cta": 4}, 600) == (2, 1, 4, 2)
-    assert kc.resolve_config((4, 1, 3), 4096) == (4, 2, 1, 3)   # 3 blocks in flight at M = 1
-    assert kc.resolve_config({"warps": 4, "tiles_per_cta": 1, "stages": 3}, 4096) == (4, 2, 1, 3)
-    assert kc.resolve_config((4, 1, 3), 4096, m=5) == (4, 2, 1, 2)  # more tokens always take 2
+    assert kc.resolve_config((8, 1), 4096) == (8, 1, 1, 2, 1)      # 8 chunks: one a warp; 2 blocks in flight
+    assert kc.resolve_config((3, 2), 4096) == (3, 3, 2, 2, 1)      # 3 chunks a warp -> 3 warps
+    assert kc.resolve_config((16, 1), 14336) == (14, 2, 1, 2, 1)   # 28 chunks
+    assert kc.resolve_config({"warps": 4, "tiles_per_cta": 4}, 600) == (2, 1, 4, 2, 1)
+    assert kc.resolve_config((4, 1, 3), 4096) == (4, 2, 1, 3, 1)   # 3 blocks in flight at M = 1
+    assert kc.resolve_config({"warps": 4, "tiles_per_cta": 1, "stages": 3}, 4096) == (4, 2, 1, 3, 1)
+    assert kc.resolve_config((4, 1, 3), 4096, m=5) == (4, 2, 1, 2, 1)  # more tokens always take 2
+    # split along K over a cluster: ceil(chunks / (warps x splits)) chunks a warp, as few CTAs as that needs
+    assert kc.resolve_config((1, 4, 2, 7), 14336, m=16) == (1, 4, 4, 2, 7)
+    assert kc.resolve_config((2, 8, 2, 4), 14336, m=16) == (2, 4, 8, 2, 4)  # 7 runs: the last CTA has one
+    assert kc.resolve_config((1, 16, 2, 8), 1024, m=16) == (1, 1, 16, 2, 2)  # 2 chunks: 2 CTAs
+    assert kc.resolve_config({"warps": 2, "tiles_per_cta": 8, "splits": 3}, 4096, m=9) == (2, 2, 8, 2, 2)
     # the launch taken without a config (H200: 132 SMs): runs of 4 chunks a warp (M = 1: 2 up to 8 chunks, or 1
-    # where runs of 2 leave fewer than 16 warps an SM; else 3) and 2 blocks in flight; at M > 1 tiles a CTA as 16
-    # warps and half a CTA an SM allow
-    assert kc.default_config(1, 14336, 4096, 132) == (4, 2, 1, 2)
-    assert kc.default_config(1, 4096, 4096, 132) == (8, 1, 1, 2)     # 256 tiles x 4 warps < 16 x 132
-    assert kc.default_config(1, 8448, 4096, 132) == (4, 2, 1, 2)     # 528 tiles x 4 warps = 16 x 132
-    assert kc.default_config(1, 4096, 14336, 132) == (10, 3, 1, 2)
-    assert kc.default_config(1, 4096, 11008, 132) == (8, 3, 1, 2)
-    assert kc.default_config(4, 14336, 4096, 132) == (2, 4, 4, 2)
-    assert kc.default_config(16, 14336, 4096, 132) == (2, 4, 4, 2)
-    assert kc.default_config(16, 4096, 14336, 132) == (7, 4, 2, 2)    # 128 CTAs
-    assert kc.default_config(16, 4096, 65536, 132) == (8, 16, 1, 2)   # 8 warps at most for 16 tokens (shared memory)
-    assert kc.default_config(5, 100, 600, 132) == (1, 2, 1, 2)        # 7 tiles: one a CTA
-    assert kc.default_config(16, 14336, 4096, 132, smem_max=40 * 1024) == (1, 8, 2, 2)  # fewer warps where less fits
+    # where runs of 2 leave fewer than 16 warps an SM; else 3) and 2 blocks in flight; at M = 2 .. 8 tiles a CTA as
+    # 16 warps and half a CTA an SM allow; above 8 tokens one warp a tile, 8 tiles a CTA, the chunks over a cluster
+    # along K in runs of 4, or fewer where that leaves fewer CTAs than SMs
+    assert kc.default_config(1, 14336, 4096, 132) == (4, 2, 1, 2, 1)
+    assert kc.default_config(1, 4096, 4096, 132) == (8, 1, 1, 2, 1)     # 256 tiles x 4 warps < 16 x 132
+    assert kc.default_config(1, 8448, 4096, 132) == (4, 2, 1, 2, 1)     # 528 tiles x 4 warps = 16 x 132
+    assert kc.default_config(1, 4096, 14336, 132) == (10, 3, 1, 2, 1)
+    assert kc.default_config(1, 4096, 11008, 132) == (8, 3, 1, 2, 1)
+    assert kc.default_config(4, 14336, 4096, 132) == (2, 4, 4, 2, 1)
+    assert kc.default_config(16, 14336, 4096, 132) == (1, 4, 8, 2, 2)    # 112 x 2 CTAs
+    assert kc.default_config(16, 4096, 14336, 132) == (1, 4, 8, 2, 7)    # 32 x 7 CTAs
+    assert kc.default_config(9, 4096, 65536, 132) == (1, 16, 8, 2, 8)    # at most 8 CTAs a cluster
+    assert kc.default_config(16, 4096, 4096, 132) == (1, 2, 8, 2, 4)     # runs of 2: 32 x 4 CTAs
+    assert kc.default_config(5, 100, 600, 132) == (1, 2, 1, 2, 1)        # 7 tiles: one a CTA
+    assert kc.default_config(16, 100, 600, 132) == (1, 1, 8, 2, 2)       # a chunk a CTA
+    assert kc.default_config(16, 14336, 4096, 132, smem_max=40 * 1024) == (1, 4, 2, 2, 2)  # fewer tiles where less fits
+    assert kc.default_config(16, 4096, 14336, 132, major=8) == (7, 4, 2, 2, 1)  # no clusters: 128 CTAs
+    assert kc.default_config(16, 4096, 65536, 132, major=8) == (8, 16, 1, 2, 1)  # 8 warps at most (shared memory)
+    assert kc.default_config(16, 14336, 4096, 132, smem_max=40 * 1024, major=8) == (1, 8, 2, 2, 1)  # fewer warps
     for bad, match in [((0, 1), "warps must be 1 .. 16"), ((17, 1), "warps must be 1 .. 16"),
-                       ((4, 0), "tiles_per_cta must be 1 .. 4"), ((4, 5), "tiles_per_cta must be 1 .. 4"),
+                       ((4, 0), "tiles_per_cta must be 1 .. 16"), ((4, 17), "tiles_per_cta must be 1 .. 16"),
                        ((4, 1, 4), r"stages must be one of \(2, 3\)"), ((4, 1, 1), "stages must be one of"),
-                       ((4,), "ints"), ((4.0, 1), "ints"), ("8x1", "ints"), ((4, 1, 3, 1), "ints"),
-                       ((4, 1, True), "ints"), ((True, 1), "ints")]:
+                       ((4, 1, 2, 0), "splits must be 1 .. 8"), ((4, 1, 2, 9), "splits must be 1 .. 8"),
+                       ({"warps": 4, "splits": 9}, "splits must be 1 .. 8"),
+                       ((4,), "ints"), ((4.0, 1), "ints"), ("8x1", "ints"), ((4, 1, 3, 1, 1), "ints"),
+                       ((4, 1, True), "ints"), ((True, 1), "ints"), ((4, 1, None, 2), "ints"),
+                       ({"warps": 4, "splits": 2.0}, "ints")]:
         with pytest.raises(ValueError, match=match):
             kc.resolve_config(bad, 4096)
     with pytest.raises(ValueError, match="1024 threads for K=4096, more than the kernel's 512"):
         kc.resolve_config((8, 4), 4096)
-    # shared memory, as the kernel lays it out: x staged per warp of a tile (1, 8 or 16 token rows of 520
-    # elements; one token: the chunk again in B-fragment order, 1024 bytes), per warp 1568 bytes of records and
-    # 2 (or 3 at one token, where asked) blocks of 2560 bytes, or the reduction's (16 rows x tokens + 1) x 4 bytes
-    # per warp if larger
+    with pytest.raises(ValueError, match="1024 threads for K=4096, more than the kernel's 512"):
+        kc.resolve_config((4, 8, 2, 2), 4096)  # 4 warps a tile in each of 2 CTAs, 8 tiles
+    # shared memory, as the kernel lays it out: x staged per warp of a tile (one token: a row of 520 elements and
+    # the chunk again in B-fragment order, 1024 bytes; 8 or 16 tokens: the chunk's 512 columns transposed), per
+    # warp 1568 bytes of records and 2 (or 3 at one token, where asked) blocks of 2560 bytes, or the reduction's
+    # bytes if more: (16 rows x tokens + 1) x 4 per warp, then 16 rows x tokens x 4 per tile (the CTA's partials)
     assert kc.smem_bytes(1, 8, 1) == 8 * (1040 + 1024) + 8 * (1568 + 2 * 2560)
     assert kc.smem_bytes(1, 8, 1, 3) == 8 * (1040 + 1024) + 8 * (1568 + 3 * 2560)
     assert kc.smem_bytes(5, 4, 2, 3) == kc.smem_bytes(5, 4, 2)  # more tokens: 2 blocks whatever stages says
-    assert kc.smem_bytes(5, 4, 2) == 4 * 8 * 1040 + 8 * (1568 + 2 * 2560)
-    assert kc.smem_bytes(16, 16, 1) == 16 * 16 * 1040 + 16 * (1568 + 2 * 2560) > 227 * 1024  # the device cannot
-    assert kc.smem_bytes(16, 1, 4) == max(16 * 1040 + 4 * (1568 + 2 * 2560), 4 * (16 * 16 + 1) * 4)
+    assert kc.smem_bytes(5, 4, 2) == 4 * 8 * 1024 + 8 * (1568 + 2 * 2560)
+    assert kc.smem_bytes(16, 16, 1) == 16 * 16 * 1024 + 16 * (1568 + 2 * 2560) > 227 * 1024  # the device cannot
+    assert kc.smem_bytes(16, 1, 4) == 16 * 1024 + 4 * (1568 + 2 * 2560)
+    assert kc.smem_bytes(16, 1, 16) == 16 * 1024 + 16 * (1568 + 2 * 2560)
+    assert kc.smem_bytes(1, 1, 16) == max(1040 + 1024 + 16 * (1568 + 2 * 2560), (16 * 17 + 16 * 16) * 4)
+    assert kc.smem_bytes(1, 1, 1) == max(1040 + 1024 + 1568 + 2 * 2560, (17 + 16) * 4)
+
+
+def test_cuda_split_along_k_needs_clusters(monkeypatch):
+    """A config that splits K over a cluster of CTAs is refused in Python on a device before compute capability 9
+    (an error raised inside the extension ends the process on some CUDA images)."""
+    from vllm_parity.serving import int8x_planes_cuda as kc
+
+    monkeypatch.setattr(kc, "_device", lambda device: (108, 163 * 1024, 8))
+    lay = _layout(seed_mix(16, 1024, seed=3))
+    with pytest.raises(ValueError, match=r"config \(1, 4, 2, 2\) splits K over a cluster of CTAs, which needs compute "
+                                         "capability 9, the device has 8"):
+        kc.linear(torch.randn(16, 1024, dtype=torch.bfloat16), lay, config=(1, 4, 2, 2))
 
 
 # -- GPU ------------------------------------------------------------------------------------------
@@ -320,18 +351,48 @@ def test_gpu_linear_every_weight_a_fixup(dtype):
             assert_rel_close(y, _ref(x, q), LINEAR_BOUND[dtype], f"M={m} {dtype} config {config}")
 
 
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_linear_record_windows_above_one_token(dtype):
+    """Above one token, a tile's chunk of records in one staged window (at most 1024) or in several, each record
+    reading its column's tokens from the transposed x: chunks of 1350, the seed mix's few, exactly 1024 and 1025
+    records, and chunks with none."""
+    kc = _cuda_ready()
+    g = torch.Generator().manual_seed(21)
+    n, k = 40, 5 * 512
+    q = seed_mix(n, k, seed=22)
+    q[:, 2 * 512:] = q[:, 2 * 512:].clamp(-16, 15)  # chunks 2 .. 4 without records
+
+    def fill(tile, chunk, idx, value):  # weights idx (row-major in the tile's chunk) to value
+        q[16 * tile + idx // 512, 512 * chunk + idx % 512] = value
+
+    fill(0, 0, torch.arange(1100), 100)
+    fill(0, 2, torch.randperm(8192, generator=g)[:1024], -77)
+    fill(1, 2, torch.randperm(8192, generator=g)[:1025], 90)
+    lay = _layout(q, device="cuda")
+    for m in (2, 8, 9, 16):
+        x = torch.randn(m, k, generator=g).to("cuda", dtype)
+        for config in (None, (1, 8, 2, 4), (5, 1), (2, 2)):
+            with poisoned_allocations():
+                y = kc.linear(x, lay, config=config)
+            assert_rel_close(y, _ref(x, q), LINEAR_BOUND[dtype], f"M={m} {dtype} config {config}")
+
+
 GPU_CONFIGS = [(1, 1), (2, 1), (3, 1), (8, 1), (16, 1), (1, 2), (2, 2), (3, 3), (4, 4), (8, 2), (4, 2), (1, 1, 3),
-               (3, 1, 3), (16, 1, 3), (2, 2, 3)]
+               (3, 1, 3), (16, 1, 3), (2, 2, 3), (1, 8), (2, 8), (1, 16), (1, 2, 2, 2), (2, 4, 2, 4), (1, 8, 2, 8),
+               (1, 16, 2, 8), (3, 3, 2, 2), (1, 1, 3, 4), (2, 1, 2, 3)]
 
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("config", GPU_CONFIGS, ids=["w{}t{}".format(*c) + ("s{}".format(*c[2:]) if c[2:] else "")
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=["w{}t{}".format(*c) + "".join(f"{k}{v}" for k, v in zip("sk", c[2:]))
                                                      for c in GPU_CONFIGS])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_linear_configs(config, dtype):
-    """Explicit (warps, tiles_per_cta[, stages]) against the reference for M in 1, 5, 8, 9, 16, 23, 40: 7 tiles (a partial
-    last CTA for 2, 3, 4 tiles a CTA), 6 chunks (uneven runs)."""
+    """Explicit (warps, tiles_per_cta[, stages[, splits]]) against the reference for M in 1, 5, 8, 9, 16, 23, 40: 7
+    tiles (a partial last CTA for 2, 3, 4, 8 tiles a CTA, tiles past N in a CTA of 8 or 16), 6 chunks (uneven runs;
+    split over 2 to 6 CTAs of a cluster, some with an idle warp)."""
     kc = _cuda_ready()
     g = torch.Generator().manual_seed(12)
     n, k = 100, 2600
@@ -342,6 +403,22 @@ def test_gpu_linear_configs(config, dtype):
         with poisoned_allocations():
             y = kc.linear(x, lay, config=config)
         assert_rel_close(y, _ref(x, q), LINEAR_BOUND[dtype], f"config {config} M={m} {dtype}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("m", [1, 9, 16])
+def test_gpu_linear_split_along_k_is_deterministic(m):
+    """A cluster's CTAs add their partial sums in rank order: the same bits on every call."""
+    kc = _cuda_ready()
+    g = torch.Generator().manual_seed(16)
+    q = seed_mix(256, 8 * 512, seed=17)
+    lay = _layout(q, device="cuda")
+    x = torch.randn(m, 8 * 512, generator=g).to("cuda", torch.bfloat16)
+    ys = [kc.linear(x, lay, config=(1, 4, 2, 8)) for _ in range(4)]
+    assert_rel_close(ys[0], _ref(x, q), LINEAR_BOUND[torch.bfloat16], f"split over 8 CTAs, M={m}")
+    for y in ys[1:]:
+        assert torch.equal(y, ys[0])
 
 
 @pytest.mark.gpu

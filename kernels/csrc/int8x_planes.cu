@@ -6,21 +6,25 @@
 // runs; warp w of every tile walks the same chunks. Per chunk
 //  * each warp puts its tile's fixup records for the chunk in flight to shared memory (cp.async, 16-byte vectors;
 //    their table entries were read while the previous chunk was computed) and reads the next chunk's entries,
-//  * the warps that walk it (one per tile) stage x[m0 .. m0 + M) over the chunk's columns once, in shared memory
-//    as [token][column] rows of XSTRIDE elements (the padding puts the rows of 8 tokens in distinct banks), with
-//    coalesced 16-byte loads and stores; tokens past M stay zero, columns past K are zero. One token (M = 1): the
+//  * the warps that walk it (one per tile) stage x[m0 .. m0 + M) over the chunk's columns once in shared memory,
+//    with 16-byte loads; tokens past M stay zero, columns past K are zero. One token (M = 1): the row, and the
 //    chunk again in B-fragment order, so that a lane reads 4 k-steps of B in two 16-byte loads, the token in every
-//    column of B (no lane-dependent branch). With one tile per CTA the warp stages alone (__syncwarp), else the
-//    tiles' warps meet at a named barrier (one per chunk run),
+//    column of B (no lane-dependent branch). More: transposed, [column][8 or 16 tokens] (xt_word), so that a fixup
+//    record reads its column's tokens in 16-byte loads. With one tile per CTA the warp stages alone (__syncwarp),
+//    else the tiles' warps meet at a named barrier (one per chunk run),
 //  * per 256-column block (the next 1 or 2 in flight to shared memory by cp.async meanwhile) runs 16
 //    mma.m16n8k16 (two per k-step for M > 8) with A decoded from the plane: a pair of codes c becomes
 //    the fp16 / bf16 pair 32 + c with two lop3 (nibbles, bit 4 and the magic number 32.0), minus 48 in one
 //    packed subtraction at M > 1; at M = 1 the CTA subtracts 48 * sum(x) once instead (exact: small integers).
-//    B comes from the staged rows with ldmatrix (no .trans: an 8 x 8 matrix of 8 tokens x 8 consecutive k is
-//    b0, the next 8 k b1; .x4 covers 16 tokens),
+//    B comes from the transposed x with ldmatrix .trans (an 8 x 8 matrix of 8 consecutive k x 8 tokens is b0,
+//    the next 8 k b1; .x4 covers 16 tokens),
 //  * then the records, landed by now: lane l walks those of row l % 16 with parity l / 16, adding
 //    h * x[token][column] per token to fp32 registers.
 // The warps' accumulators and 32 * fixup sums meet in shared memory; the CTA writes scale * sum in y's dtype.
+// Split along K (compute capability 9): the chunk runs of a tile go to a cluster of CTAs along grid.z, each CTA its
+// share of them, so that more tiles share a staged x at few tiles (N = 4096) and still fill the device; the
+// cluster's CTAs add their partial sums through distributed shared memory, in rank order, each writing a share of
+// the outputs.
 // On compute capability 9 the GEMV is a programmatic dependent launch: the first blocks and record table entries are
 // put in flight before griddepcontrol.wait, x is read and y written after it.
 //
@@ -33,6 +37,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
+#include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
 
@@ -48,6 +53,8 @@ constexpr int BLOCK_VEC = 160;   // 16-byte vectors per (tile, step) block: 640 
 constexpr int NIB_VEC = 128;     // the first 128 vectors hold nibbles, 32 per group of 4 k-steps
 constexpr int REC_CAP = 1024;    // fixup records staged per warp at a time (a block has at most 4096)
 constexpr uint32_t FULL = 0xffffffffu;
+
+namespace cg = cooperative_groups;
 
 using parity::from_f;
 using parity::pdl_launch_dependents;
@@ -129,11 +136,12 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
-__device__ __forceinline__ void ldsm_x2(uint32_t addr, uint32_t& r0, uint32_t& r1) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr));
+__device__ __forceinline__ void ldsm_x2_trans(uint32_t addr, uint32_t& r0, uint32_t& r1) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr));
 }
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                              uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
 }
@@ -165,24 +173,44 @@ constexpr int MAX_CTA_WARPS = 16;
 
 template <int MT>
 struct XStage {
-  static constexpr int XT = MT == 1 ? 1 : (MT <= 8 ? 8 : 16);  // staged token rows
+  static constexpr int XT = MT == 1 ? 1 : (MT <= 8 ? 8 : 16);  // staged tokens
   // One token: the row, then the chunk again in B-fragment order (xperm), so a lane reads 4 k-steps of B with
-  // two 16-byte loads.
-  static constexpr int BYTES = XT * XSTRIDE * 2 + (MT == 1 ? CHUNK_COLS * 2 : 0);  // a multiple of 16
+  // two 16-byte loads. More: transposed (xt_word), B read by ldmatrix .trans and a fixup record's column, its XT
+  // tokens, with XT / 8 16-byte loads.
+  static constexpr int BYTES = MT == 1 ? XSTRIDE * 2 + CHUNK_COLS * 2 : CHUNK_COLS * XT * 2;  // a multiple of 16
 };
+
+// The transposed x (XT > 1): column c's tokens 2 p and 2 p + 1 in one word, 8 tokens in a 16-byte granule g
+// (column c, half h at 16 tokens: g = XT / 8 * c + h), granules placed at g ^ s(c) within their aligned group of 8
+// so that the 8 consecutive columns of an ldmatrix, the stagers' stores (columns 8 v + e, pairs p) and the lanes
+// reading random columns spread over the banks: s flips the low bits by column bits 2 .. 5. A column 64 on has
+// the same s.
+template <int XT>
+__device__ __forceinline__ int xt_word(int c, int p) {
+  if constexpr (XT == 16)
+    return 4 * ((2 * c + (p >> 2)) ^ (((c >> 2) & 1) | (((c >> 3) & 3) << 1))) + (p & 3);
+  else
+    return 4 * (c ^ ((c >> 3) & 7)) + p;
+}
 
 // Records and blocks of one warp: the blocks of the plane in flight to shared memory (cp.async) are the one
 // computed and the next ns - 1 (ns = 2 or 3 at one token, 2 for more).
 __host__ __device__ constexpr int warp_bytes(int ns) { return REC_BYTES + ns * BLOCK_VEC * 16; }
 
+// The reduction's floats: per warp its tile's rows x tokens and its sum of x, then the CTA's partial outputs
+// (read by the other CTAs of a cluster).
+template <int MT>
+__host__ __device__ constexpr int64_t reduce_floats(int wpt, int tpc) {
+  return (int64_t)wpt * tpc * (TILE_ROWS * MT + 1) + (int64_t)tpc * TILE_ROWS * MT;
+}
+
 // Shared memory of a CTA: wpt x slices, then per warp its records and its blocks; the reduction reuses it from
 // the start.
 template <int MT>
 __host__ __device__ constexpr int64_t linear_smem(int wpt, int tpc, int ns) {
-  return (int64_t)wpt * XStage<MT>::BYTES + (int64_t)wpt * tpc * warp_bytes(ns) >
-                 (int64_t)wpt * tpc * (TILE_ROWS * MT + 1) * 4
+  return (int64_t)wpt * XStage<MT>::BYTES + (int64_t)wpt * tpc * warp_bytes(ns) > reduce_floats<MT>(wpt, tpc) * 4
              ? (int64_t)wpt * XStage<MT>::BYTES + (int64_t)wpt * tpc * warp_bytes(ns)
-             : (int64_t)wpt * tpc * (TILE_ROWS * MT + 1) * 4;
+             : reduce_floats<MT>(wpt, tpc) * 4;
 }
 
 // The threads that stage one x slice: a warp (one tile a CTA) or the tpc warps of one chunk run (named barrier
@@ -242,9 +270,7 @@ __device__ __forceinline__ int xperm_word(int j) {
   return (j >> 8) * 128 + (((ks >> 2) * 4 + ((cc & 7) >> 1)) * 8 + 2 * (ks & 3) + ((cc >> 3) & 1));
 }
 
-// x[m, c0 + j] for m < mc, j < 512 into xs[m * XSTRIDE + j] by threads gl = 0 .. gsize - 1 of the slice's
-// group: one 16-byte vector each, a warp's 32 vectors consecutive in x and in shared memory (MT = 1: and the
-// vector's four words into the B-fragment copy). 16-byte loads where x allows (xvec: 16-byte aligned rows), else
+// 8 values of a row of x from column k0: a 16-byte load where x allows (xvec: 16-byte aligned rows), else
 // elementwise; columns >= K read as 0.
 template <typename T>
 __device__ __forceinline__ uint4 load_x8(const T* row, int K, int k0, bool xvec) {
@@ -302,20 +328,45 @@ __device__ __forceinline__ void store_x1(T* xs, const XAhead& a, int gl, int gsi
   }
 }
 
-// More tokens: loaded and stored when the chunk starts.
+// More tokens: loaded and stored transposed when the chunk starts. A thread takes the 8 columns of vector v of
+// tokens 2 p and 2 p + 1 (zero past M) and writes their 8 words.
 template <int MT, typename T>
 __device__ __forceinline__ void stage_x(T* xs, const T* __restrict__ x, int64_t sxm, int mc, int K, int c0, bool xvec,
                                         int gl, int gsize) {
-  constexpr int VPR = CHUNK_COLS / 8;  // vectors per token row
-  const int nv = mc * VPR;
-  for (int i = gl; i < nv; i += gsize) {
-    const int m = i / VPR, v = i - m * VPR;
-    *reinterpret_cast<uint4*>(xs + m * XSTRIDE + 8 * v) = load_x8(x + (int64_t)m * sxm, K, c0 + 8 * v, xvec);
+  constexpr int XT = XStage<MT>::XT;
+  uint32_t* xt = reinterpret_cast<uint32_t*>(xs);
+  const int np = (mc + 1) >> 1;  // token pairs
+  for (int i = gl; i < np * (CHUNK_COLS / 8); i += gsize) {
+    const int v = i / np, p = i - v * np, m = 2 * p;
+    const uint4 a = load_x8(x + (int64_t)m * sxm, K, c0 + 8 * v, xvec);
+    const uint4 b = m + 1 < mc ? load_x8(x + (int64_t)(m + 1) * sxm, K, c0 + 8 * v, xvec) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // columns 8 v + 2 j and + 1: the low and the high halves of word j
+      xt[xt_word<XT>(8 * v + 2 * j, p)] = __byte_perm(word(a, j), word(b, j), 0x5410);
+      xt[xt_word<XT>(8 * v + 2 * j + 1, p)] = __byte_perm(word(a, j), word(b, j), 0x7632);
+    }
   }
 }
 
-// 16 k-steps of one 256-column block: A decoded from the plane, B from the staged x (xs: the block's first
-// column of token row 0; MT = 1: xb, the block's B-fragment copy).
+// The two values of a word of x (the lower first) in fp32.
+__device__ __forceinline__ float2 unpack2(uint32_t w, __half) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+__device__ __forceinline__ float2 unpack2(uint32_t w, __nv_bfloat16) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
+// The four A fragments of k-step s (of its group): pairs P = 0 .. 3.
+template <typename T, int S, bool BIASED>
+__device__ __forceinline__ void kstep_a(uint32_t (&a)[4], uint32_t nw, uint32_t hw, uint32_t mg) {
+  a[0] = pair<T, S, 0, BIASED>(nw, hw, mg);
+  a[1] = pair<T, S, 1, BIASED>(nw, hw, mg);
+  a[2] = pair<T, S, 2, BIASED>(nw, hw, mg);
+  a[3] = pair<T, S, 3, BIASED>(nw, hw, mg);
+}
+
+// 16 k-steps of one 256-column block: A decoded from the plane, B from the staged x (MT = 1: xb, the block's
+// B-fragment copy; more: xs, the transposed x from the block's first column).
 template <int MT, typename T>
 __device__ __forceinline__ void block_mma(float (&acc)[2][4], const uint4 (&nib)[4], const uint4& hib,
                                           const T* xs, const uint32_t* xb, int lane) {
@@ -324,10 +375,14 @@ __device__ __forceinline__ void block_mma(float (&acc)[2][4], const uint4 (&nib)
   uint32_t mg;  // the magic number in a register, so that one instruction ORs it in with bit 4
   asm("mov.b32 %0, %1;" : "=r"(mg) : "n"(Code<T>::MAGIC));
   const int t = lane & 3;
-  // ldmatrix row addresses: lanes 8 i .. 8 i + 7 give matrix i's rows, token (lane & 7) + 8 (i / 2) (.x4 only),
-  // columns 8 (i % 2) .. + 7 of the k-step.
-  const int tok = (lane & 7) + (NT == 2 ? (lane >> 4) * 8 : 0);
-  const uint32_t xs_base = smem_addr(xs) + (uint32_t)((tok * XSTRIDE + ((lane >> 3) & 1) * 8) * 2);
+  // ldmatrix .trans row addresses: lanes 8 i .. 8 i + 7 give matrix i's rows, columns 8 (i % 2) + (lane & 7) of
+  // the k-step, each its 8 tokens 8 (i / 2) .. + 7 (.x4 only); k-step 4 G + s is at xs_off[s] + G 64 columns on.
+  constexpr int XT = XStage<MT>::XT;
+  const int col = ((lane >> 3) & 1) * 8 + (lane & 7);
+  const uint32_t xs_base = smem_addr(xs);
+  uint32_t xs_off[4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) xs_off[s] = 4u * (uint32_t)xt_word<XT>(col + 16 * s, NT == 2 ? (lane >> 4) * 4 : 0);
 #pragma unroll
   for (int G = 0; G < 4; ++G) {
     const uint32_t hw = word(hib, G);
@@ -336,38 +391,34 @@ __device__ __forceinline__ void block_mma(float (&acc)[2][4], const uint4 (&nib)
       bq0 = reinterpret_cast<const uint4*>(xb)[(G * 4 + t) * 2];
       bq1 = reinterpret_cast<const uint4*>(xb)[(G * 4 + t) * 2 + 1];
     }
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const uint32_t nw = word(nib[G], s);
-      uint32_t a[4];
-      switch (s) {
-        case 0: a[0] = pair<T, 0, 0, B1>(nw, hw, mg); a[1] = pair<T, 0, 1, B1>(nw, hw, mg);
-                a[2] = pair<T, 0, 2, B1>(nw, hw, mg); a[3] = pair<T, 0, 3, B1>(nw, hw, mg); break;
-        case 1: a[0] = pair<T, 1, 0, B1>(nw, hw, mg); a[1] = pair<T, 1, 1, B1>(nw, hw, mg);
-                a[2] = pair<T, 1, 2, B1>(nw, hw, mg); a[3] = pair<T, 1, 3, B1>(nw, hw, mg); break;
-        case 2: a[0] = pair<T, 2, 0, B1>(nw, hw, mg); a[1] = pair<T, 2, 1, B1>(nw, hw, mg);
-                a[2] = pair<T, 2, 2, B1>(nw, hw, mg); a[3] = pair<T, 2, 3, B1>(nw, hw, mg); break;
-        default: a[0] = pair<T, 3, 0, B1>(nw, hw, mg); a[1] = pair<T, 3, 1, B1>(nw, hw, mg);
-                 a[2] = pair<T, 3, 2, B1>(nw, hw, mg); a[3] = pair<T, 3, 3, B1>(nw, hw, mg); break;
-      }
-      const int ks = 4 * G + s;
+    // k-step 4 G + s with its A fragments
+    auto step = [&](int s, const uint32_t(&a)[4]) {
       if constexpr (MT == 1) {
         const uint4& bq = s < 2 ? bq0 : bq1;
         mma<T>(acc[s & 1], a, (s & 1) ? bq.z : bq.x, (s & 1) ? bq.w : bq.y);
       } else {
-        const uint32_t addr = xs_base + (uint32_t)(32 * ks);
+        const uint32_t addr = xs_base + xs_off[s] + (uint32_t)(64 * XT * 2 * G);
         if constexpr (NT == 1) {
           uint32_t b0, b1;
-          ldsm_x2(addr, b0, b1);
+          ldsm_x2_trans(addr, b0, b1);
           mma<T>(acc[s & 1], a, b0, b1);
         } else {
           uint32_t b0, b1, b2, b3;
-          ldsm_x4(addr, b0, b1, b2, b3);
+          ldsm_x4_trans(addr, b0, b1, b2, b3);
           mma<T>(acc[0], a, b0, b1);
           mma<T>(acc[NT - 1], a, b2, b3);
         }
       }
-    }
+    };
+    uint32_t a[4];
+    kstep_a<T, 0, B1>(a, nib[G].x, hw, mg);
+    step(0, a);
+    kstep_a<T, 1, B1>(a, nib[G].y, hw, mg);
+    step(1, a);
+    kstep_a<T, 2, B1>(a, nib[G].z, hw, mg);
+    step(2, a);
+    kstep_a<T, 3, B1>(a, nib[G].w, hw, mg);
+    step(3, a);
   }
 }
 
@@ -404,15 +455,29 @@ __device__ __forceinline__ void for_lane_records(const Layout& L, uint8_t* rbuf,
   }
 }
 
-// The chunk's fixups: h * x[token][column] summed into fx (records in flight two block groups before).
+// The chunk's fixups: h * x[token][column] summed into fx (records in flight two block groups before); more
+// tokens read the column from the transposed copy, 8 tokens a 16-byte load.
 template <int MT, typename T>
 __device__ __forceinline__ void apply_fixups(const Layout& L, float (&fx)[MT], const T* xs, uint8_t* rbuf,
                                              int64_t rec0, int nrec, int row_start, int row_end, int2 off, int lane) {
+  constexpr int XT = XStage<MT>::XT;
+  const uint32_t* xt = reinterpret_cast<const uint32_t*>(xs);
   for_lane_records<2>(L, rbuf, rec0, nrec, row_start, row_end, off, lane, [&](int col, uint32_t nb) {
     const float h = (float)fixup_h(nb & 7u);
-    const T* xc = xs + col;
+    if constexpr (MT == 1) {
+      fx[0] = fmaf(h, to_f(xs[col]), fx[0]);
+    } else {
 #pragma unroll
-    for (int m = 0; m < MT; ++m) fx[m] = fmaf(h, to_f(xc[m * XSTRIDE]), fx[m]);
+      for (int q = 0; q < MT / 8; ++q) {  // tokens 8 q .. 8 q + 7
+        const uint4 w = *reinterpret_cast<const uint4*>(xt + xt_word<XT>(col, 4 * q));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 v = unpack2(word(w, j), T());
+          fx[8 * q + 2 * j] = fmaf(h, v.x, fx[8 * q + 2 * j]);
+          fx[8 * q + 2 * j + 1] = fmaf(h, v.y, fx[8 * q + 2 * j + 1]);
+        }
+      }
+    }
   });
 }
 
@@ -449,7 +514,8 @@ __global__ void __launch_bounds__(MAX_THREADS, MT == 8 ? 1 : 0)
   const int mc = min(M - m0, MT);
   x += (int64_t)m0 * sxm;
   const int chunks = L.steps / 2;
-  const int b_begin = 2 * run * cpw, b_end = 2 * min(chunks, run * cpw + cpw);  // the run's blocks
+  const int grun = blockIdx.z * wpt + run;  // the run among the tile's runs of the cluster
+  const int b_begin = 2 * grun * cpw, b_end = 2 * min(chunks, grun * cpw + cpw);  // the run's blocks (maybe none)
   const int fr = lane & 15;
 
   // Up to 8 tokens: even and odd k-steps in two accumulators, two chains of dependent MMAs instead of one; more
@@ -531,7 +597,8 @@ __global__ void __launch_bounds__(MAX_THREADS, MT == 8 ? 1 : 0)
 #pragma unroll
     for (int G = 0; G < 4; ++G) nib[G] = pb[32 * G];
     const uint4 hib = pb[NIB_VEC];
-    block_mma<MT, T>(acc, nib, hib, xs + (B & 1) * STEP_COLS, xb + (B & 1) * (STEP_COLS / 2), lane);
+    block_mma<MT, T>(acc, nib, hib, xs + (B & 1) * STEP_COLS * XStage<MT>::XT, xb + (B & 1) * (STEP_COLS / 2),
+                     lane);
     if (B & 1) {  // the chunk's last block: its records, landed by now
       if (nrec > 0) apply_fixups<MT, T>(L, fx, xs, rbuf, rec0, nrec, row_start, row_end, off, lane);
       rec0 = rec1;
@@ -575,19 +642,48 @@ __global__ void __launch_bounds__(MAX_THREADS, MT == 8 ? 1 : 0)
   }
   __syncthreads();
   const float sc = __ldg(scale);
-  float bias = 0.f;  // MT = 1: A held v5 + 48, so 48 * sum(x) over every column (staged once per CTA) comes off
+  float bias = 0.f;  // MT = 1: A held v5 + 48, so 48 * sum(x) over the CTA's columns (staged once) comes off
   if constexpr (MT == 1)
     for (int w = 0; w < nwarps; ++w) bias += reinterpret_cast<const float*>(smem)[nwarps * TILE_ROWS + w];
-  for (int i = threadIdx.x; i < tpc * TILE_ROWS * MT; i += blockDim.x) {
+  const int outs = tpc * TILE_ROWS * MT;
+  // Output i is tile tt's row r, token m: its place in y (-1 past N or M) and the CTA's partial sum of it.
+  auto y_index = [&](int i) -> int64_t {
     const int tt = i / (TILE_ROWS * MT), j = i - tt * (TILE_ROWS * MT);
     const int r = j / MT, m = j - r * MT;
     const int64_t row = (int64_t)(blockIdx.x * tpc + tt) * TILE_ROWS + r;
-    if (row >= L.n || m >= mc) continue;
+    return row < L.n && m < mc ? (int64_t)(m0 + m) * sym + row * syn : -1;
+  };
+  auto partial = [&](int i) {
+    const int tt = i / (TILE_ROWS * MT), j = i - tt * (TILE_ROWS * MT);
     const float* base = reinterpret_cast<const float*>(smem) + (int64_t)tt * wpt * TILE_ROWS * MT + j;
     float v = 0.f;
     for (int w = 0; w < wpt; ++w) v += base[w * TILE_ROWS * MT];
-    y[(int64_t)(m0 + m) * sym + row * syn] = from_f<T>((v - 48.f * bias) * sc);
+    return v - 48.f * bias;
+  };
+  if (gridDim.z == 1) {
+    for (int i = threadIdx.x; i < outs; i += blockDim.x) {
+      const int64_t yi = y_index(i);
+      if (yi >= 0) y[yi] = from_f<T>(partial(i) * sc);
+    }
+    return;
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Split along K: the partials to shared memory, then each CTA of the cluster adds every CTA's partials of its
+  // share of the outputs, in rank order (the same sum whichever CTA writes).
+  float* part = reinterpret_cast<float*>(smem) + reduce_floats<MT>(wpt, tpc) - outs;
+  for (int i = threadIdx.x; i < outs; i += blockDim.x) part[i] = partial(i);
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every CTA's partials written
+  const int ranks = (int)cluster.num_blocks(), rank = (int)cluster.block_rank();
+  for (int i = rank * blockDim.x + threadIdx.x; i < outs; i += ranks * blockDim.x) {
+    const int64_t yi = y_index(i);
+    if (yi < 0) continue;
+    float v = 0.f;
+    for (int q = 0; q < ranks; ++q) v += cluster.map_shared_rank(part, q)[i];
+    y[yi] = from_f<T>(v * sc);
+  }
+  cluster.sync();  // no CTA leaves while another reads its shared memory
+#endif
 }
 
 // -- decode ---------------------------------------------------------------------------------------
@@ -725,67 +821,79 @@ Layout make_layout(const torch::Tensor& planes, const torch::Tensor& fx_pos, con
 
 using parity::set_smem;
 
-// A launch: wpt warps per tile, each a run of cpw whole chunks (the runs as even as their number allows), tpc
-// tiles per CTA.
+constexpr int MAX_SPLITS = 8;  // CTAs of a cluster (the portable most)
+
+// A launch: a tile's chunks in runs of cpw whole chunks (as even as their number allows), wpt runs a CTA of a
+// cluster of `splits` CTAs along K, tpc tiles per CTA.
 struct LinearConfig {
-  int wpt, cpw, tpc;
+  int wpt, cpw, tpc, splits;
 };
 
-// warps (the most warps per tile) and tpc as the host chose them (int8x_planes_cuda.default_config, or the
-// caller's config).
+// warps (the most warps per tile a CTA), tpc and splits as the host chose them (int8x_planes_cuda.default_config,
+// or the caller's config).
 template <int MT>
-LinearConfig linear_config(int chunks, int64_t warps, int64_t tpc, int ns, int64_t smem_max) {
+LinearConfig linear_config(int chunks, int64_t warps, int64_t tpc, int64_t splits, int ns,
+                           const parity::DeviceInfo& dev) {
   LinearConfig c;
   TORCH_CHECK(warps >= 1 && warps <= MAX_CTA_WARPS, "int8x planes cuda linear: warps per tile must be 1 .. ",
               MAX_CTA_WARPS, ", got ", warps);
-  c.cpw = (int)((chunks + warps - 1) / warps);
-  c.wpt = (chunks + c.cpw - 1) / c.cpw;
-  TORCH_CHECK(tpc >= 1 && tpc <= 4, "int8x planes cuda linear: tiles per CTA must be 1 .. 4, got ", tpc);
+  TORCH_CHECK(splits >= 1 && splits <= MAX_SPLITS, "int8x planes cuda linear: splits must be 1 .. ", MAX_SPLITS,
+              ", got ", splits);
+  TORCH_CHECK(splits == 1 || dev.major >= 9, "int8x planes cuda linear: splits along K need compute capability 9 "
+              "(clusters), the device has ", dev.major, ".", dev.minor);
+  c.cpw = (int)((chunks + warps * splits - 1) / (warps * splits));
+  const int runs = (chunks + c.cpw - 1) / c.cpw;
+  c.wpt = (int)((runs + splits - 1) / splits);
+  c.splits = (runs + c.wpt - 1) / c.wpt;
+  TORCH_CHECK(tpc >= 1 && tpc <= MAX_CTA_WARPS, "int8x planes cuda linear: tiles per CTA must be 1 .. ",
+              MAX_CTA_WARPS, ", got ", tpc);
   c.tpc = (int)tpc;
   TORCH_CHECK(c.wpt * c.tpc * 32 <= MAX_THREADS, "int8x planes cuda linear: ", c.wpt, " warps per tile x ", c.tpc,
               " tiles per CTA = ", c.wpt * c.tpc * 32, " threads, more than the launch bound of ", MAX_THREADS);
   TORCH_CHECK(c.tpc == 1 || c.wpt <= 15, "int8x planes cuda linear: with several tiles per CTA at most 15 warps "
               "per tile (named barriers), got ", c.wpt);
   const int64_t smem = linear_smem<MT>(c.wpt, c.tpc, ns);
-  TORCH_CHECK(smem <= smem_max, "int8x planes cuda linear: ", c.wpt, " warps per tile x ", c.tpc,
-              " tiles per CTA need ", smem, " bytes of shared memory, the device allows ", smem_max);
+  TORCH_CHECK(smem <= dev.smem_optin, "int8x planes cuda linear: ", c.wpt, " warps per tile x ", c.tpc,
+              " tiles per CTA need ", smem, " bytes of shared memory, the device allows ", dev.smem_optin);
   return c;
 }
 
 // stages: blocks in flight per warp at one token (2 or 3); more tokens take 2.
 template <int MT, typename T>
 void launch_linear(const Layout& L, const torch::Tensor& x, bool xvec, torch::Tensor& out, int M, const float* sp,
-                   cudaStream_t stream, const parity::DeviceInfo& dev, int64_t warps, int64_t tpc, int64_t stages) {
+                   cudaStream_t stream, const parity::DeviceInfo& dev, int64_t warps, int64_t tpc, int64_t stages,
+                   int64_t splits) {
   TORCH_CHECK(stages == 2 || stages == 3, "int8x planes cuda linear: stages must be 2 or 3, got ", stages);
   const int ns = MT == 1 ? (int)stages : 2;
   const int64_t tiles = (L.n + TILE_ROWS - 1) / TILE_ROWS;
-  const LinearConfig c = linear_config<MT>(L.steps / 2, warps, tpc, ns, dev.smem_optin);
+  const LinearConfig c = linear_config<MT>(L.steps / 2, warps, tpc, splits, ns, dev);
   const int64_t smem = linear_smem<MT>(c.wpt, c.tpc, ns);
   auto kernel = c.tpc > 1 ? linear_kernel<MT, 2, true, T> : linear_kernel<MT, 2, false, T>;
   if constexpr (MT == 1)
     if (ns == 3) kernel = c.tpc > 1 ? linear_kernel<MT, 3, true, T> : linear_kernel<MT, 3, false, T>;
-  const dim3 grid((unsigned)((tiles + c.tpc - 1) / c.tpc), (unsigned)((M + 15) / 16));
+  const dim3 grid((unsigned)((tiles + c.tpc - 1) / c.tpc), (unsigned)((M + 15) / 16), (unsigned)c.splits);
   // Programmatic dependent launch on compute capability 9: the call's first weight blocks load while the kernel
   // before it in the stream finishes.
-  parity::launch_kernel(kernel, grid, c.wpt * c.tpc * 32, (int)smem, dev.major >= 9, stream, L,
+  parity::launch_kernel_cluster(kernel, grid, c.splits, c.wpt * c.tpc * 32, (int)smem, dev.major >= 9, stream, L,
                         reinterpret_cast<const T*>(x.data_ptr()), x.stride(0), xvec,
                         reinterpret_cast<T*>(out.data_ptr()), out.stride(0), out.stride(1), M, c.cpw, c.tpc, sp);
 }
 
 template <typename T>
 void linear_t(const Layout& L, const torch::Tensor& x, bool xvec, torch::Tensor& out, int M, const float* sp,
-              cudaStream_t stream, const parity::DeviceInfo& dev, int64_t warps, int64_t tpc, int64_t stages) {
+              cudaStream_t stream, const parity::DeviceInfo& dev, int64_t warps, int64_t tpc, int64_t stages,
+              int64_t splits) {
   if (M == 1)
-    launch_linear<1, T>(L, x, xvec, out, M, sp, stream, dev, warps, tpc, stages);
+    launch_linear<1, T>(L, x, xvec, out, M, sp, stream, dev, warps, tpc, stages, splits);
   else if (M <= 8)
-    launch_linear<8, T>(L, x, xvec, out, M, sp, stream, dev, warps, tpc, stages);
+    launch_linear<8, T>(L, x, xvec, out, M, sp, stream, dev, warps, tpc, stages, splits);
   else
-    launch_linear<16, T>(L, x, xvec, out, M, sp, stream, dev, warps, tpc, stages);
+    launch_linear<16, T>(L, x, xvec, out, M, sp, stream, dev, warps, tpc, stages, splits);
 }
 
 void linear(torch::Tensor x, torch::Tensor planes, torch::Tensor fx_pos, torch::Tensor fx_h, torch::Tensor fx_base,
             torch::Tensor fx_ends, torch::Tensor scale, int64_t n_rows, int64_t n_cols, torch::Tensor out,
-            int64_t warps, int64_t tiles_per_cta, int64_t stages) {
+            int64_t warps, int64_t tiles_per_cta, int64_t stages, int64_t splits) {
   const Layout L = make_layout(planes, fx_pos, fx_h, fx_base, fx_ends, scale, n_rows, n_cols);
   TORCH_CHECK(x.is_cuda() && x.device() == planes.device(), "int8x planes cuda linear: x must be on ",
               planes.device(), ", got ", x.device());
@@ -810,9 +918,9 @@ void linear(torch::Tensor x, torch::Tensor planes, torch::Tensor fx_pos, torch::
   const bool xvec = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && (x.stride(0) * 2) % 16 == 0;
   const float* sp = scale.data_ptr<float>();
   if (x.scalar_type() == torch::kFloat16)
-    linear_t<__half>(L, x, xvec, out, M, sp, stream, dev, warps, tiles_per_cta, stages);
+    linear_t<__half>(L, x, xvec, out, M, sp, stream, dev, warps, tiles_per_cta, stages, splits);
   else
-    linear_t<__nv_bfloat16>(L, x, xvec, out, M, sp, stream, dev, warps, tiles_per_cta, stages);
+    linear_t<__nv_bfloat16>(L, x, xvec, out, M, sp, stream, dev, warps, tiles_per_cta, stages, splits);
 }
 
 void decode(torch::Tensor planes, torch::Tensor fx_pos, torch::Tensor fx_h, torch::Tensor fx_base,
@@ -857,7 +965,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "int8x planes fused decode-GEMV: out = x @ W^T", py::arg("x"), py::arg("planes"),
         py::arg("fx_pos"), py::arg("fx_h"), py::arg("fx_base"), py::arg("fx_ends"), py::arg("scale"),
         py::arg("n_rows"), py::arg("n_cols"), py::arg("out"), py::arg("warps"), py::arg("tiles_per_cta"),
-        py::arg("stages"));
+        py::arg("stages"), py::arg("splits"));
   m.def("decode", &decode, "int8x planes decode into out (n_rows, n_cols)", py::arg("planes"), py::arg("fx_pos"),
         py::arg("fx_h"), py::arg("fx_base"), py::arg("fx_ends"), py::arg("scale"), py::arg("n_rows"),
         py::arg("n_cols"), py::arg("out"));

@@ -51,21 +51,38 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// Launches kern with dynamic shared memory smem, as a programmatic dependent launch when pdl is set.
+// Launches kern with dynamic shared memory smem, as a programmatic dependent launch when pdl is set, in clusters of
+// cluster_z CTAs along grid.z where it is more than 1 (compute capability 9: the CTAs of a cluster read each other's
+// shared memory).
 template <typename Kern, typename... Args>
-void launch_kernel(Kern kern, dim3 grid, int threads, int smem, bool pdl, cudaStream_t stream, Args... args) {
+void launch_kernel_cluster(Kern kern, dim3 grid, unsigned cluster_z, int threads, int smem, bool pdl,
+                           cudaStream_t stream, Args... args) {
   set_smem(kern, smem);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster_z > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = 1;
+    attr[n].val.clusterDim.y = 1;
+    attr[n++].val.clusterDim.z = cluster_z;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.numAttrs = n;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, args...));
+}
+
+template <typename Kern, typename... Args>
+void launch_kernel(Kern kern, dim3 grid, int threads, int smem, bool pdl, cudaStream_t stream, Args... args) {
+  launch_kernel_cluster(kern, grid, 1, threads, smem, pdl, stream, args...);
 }
 
 }  // namespace parity
