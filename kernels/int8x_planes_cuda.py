@@ -71,7 +71,9 @@ def _parse(config) -> tuple[int, int, int | None, int]:
                                       config.get("splits", 1))
         values = (warps, tpc, splits) + ((stages,) if stages is not None else ())
     elif isinstance(config, (tuple, list)) and len(config) in (2, 3, 4):
-        warps, tpc, stages, splits = (*config, *(None, 1)[len(config) - 2:])
+        warps, tpc = config[0], config[1]
+        stages = config[2] if len(config) > 2 else None
+        splits = config[3] if len(config) > 3 else 1
         values = tuple(config)
     else:
         values = (None,)
@@ -168,8 +170,9 @@ def linear(x: torch.Tensor, layout: Int8xPlanes, out: torch.Tensor | None = None
     the kernel is a programmatic dependent launch: its first weight blocks load while the kernel before it in the
     stream finishes; it reads x only after that kernel's writes are visible. ``x`` may have any
     row stride; a column stride other than 1 costs a contiguous copy. ``config``: None (the kernel's choice by
-    shape, :func:`default_config`) or ``(warps, tiles_per_cta[, stages])`` (or a dict with those keys), see
-    :func:`resolve_config`; tiles of one CTA share each chunk's staged x."""
+    shape, :func:`default_config`) or ``(warps, tiles_per_cta[, stages[, splits]])`` (or a dict with those keys),
+    see :func:`resolve_config`; tiles of one CTA share each chunk's staged x, the CTAs of a cluster (``splits``,
+    compute capability 9) split K and add their partial sums in a fixed order."""
     m = x.shape[0] if x.dim() == 2 else 2
     if config is not None:
         wpt, _, tpc, stages, splits = resolve_config(config, layout.k, m)
