@@ -628,9 +628,9 @@ def int8x_planes_sweep(copy_gbps: float) -> list[dict]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             base_us = graph_us(lambda: F.linear(x, next_wb()), len(copies))
             moved = base.nbytes + (k + n) * 2 * m
-            props = torch.cuda.get_device_properties(0)
+            limits = int8x_planes_cuda.device_limits(x.device)
             for cfg in configs:
-                launch = (int8x_planes_cuda.default_config(m, n, k, props.multi_processor_count) if cfg is None
+                launch = (int8x_planes_cuda.default_config(m, n, k, *limits) if cfg is None
                           else int8x_planes_cuda.resolve_config(cfg, k, m))
                 row = dict(info, M=m, config="default" if cfg is None else list(cfg),
                            launch=dict(warps_per_tile=launch[0], chunks_per_warp=launch[1], tiles_per_cta=launch[2],

@@ -36,7 +36,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from vllm_parity.serving import int8x_planes_cuda as kc
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for k, n in SHAPES:
         base, (layouts, next_layout), (copies, next_wb) = planes_rotations(k, n, "seed-mix")
@@ -48,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                     us = graph_us(lambda cfg=cfg: kc.linear(x, next_layout(), config=cfg), len(layouts))
                 except (ValueError, RuntimeError):  # more shared memory than the device allows
                     continue
-                launch = kc.default_config(m, n, k, sms) if cfg is None else kc.resolve_config(cfg, k, m)
+                launch = (kc.default_config(m, n, k, *kc.device_limits(x.device)) if cfg is None
+                          else kc.resolve_config(cfg, k, m))
                 rows.append(dict(K=k, N=n, M=m, config=cfg, launch=launch, us=round(us, 2), bf16_us=round(base_us, 2),
                                  speedup=round(base_us / us, 3)))
                 print(rows[-1], flush=True)

@@ -15,7 +15,8 @@ import torch
 from vllm_parity.serving.cuda_build import LazyExtension, available  # noqa: F401  (available: re-exported)
 from vllm_parity.serving.int8x_planes import Int8xPlanes, check
 
-__all__ = ["available", "extension", "decode", "linear", "resolve_config", "default_config", "smem_bytes"]
+__all__ = ["available", "extension", "decode", "linear", "resolve_config", "default_config", "device_limits",
+           "smem_bytes"]
 
 # Launch bound of the GEMV kernels (csrc/int8x_planes.cu, MAX_THREADS): threads a CTA.
 MAX_THREADS = 512
@@ -111,8 +112,9 @@ def resolve_config(config, k: int, m: int = 1) -> tuple[int, int, int, int, int]
 
 
 @functools.lru_cache(maxsize=None)
-def _device(device: torch.device) -> tuple[int, int, int]:
-    """SMs, the shared memory a CTA may take and the compute capability's major number, of a CUDA device."""
+def device_limits(device: torch.device) -> tuple[int, int, int]:
+    """SMs, the shared memory a CTA may take and the compute capability's major number, of a CUDA device: the
+    arguments after ``(m, n, k)`` of :func:`default_config`, as :func:`linear` passes them."""
     props = torch.cuda.get_device_properties(device)
     return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", 227 * 1024), props.major
 
@@ -177,7 +179,7 @@ def linear(x: torch.Tensor, layout: Int8xPlanes, out: torch.Tensor | None = None
     if config is not None:
         wpt, _, tpc, stages, splits = resolve_config(config, layout.k, m)
         # Checked here, not in the extension: an error raised inside it ends the process on some CUDA images.
-        _, allowed, major = _device(x.device)
+        _, allowed, major = device_limits(x.device)
         need = smem_bytes(m, wpt, tpc, stages)
         if need > allowed:
             raise ValueError(f"int8x planes cuda linear: config {config!r} needs {need} bytes of shared memory for "
@@ -200,6 +202,6 @@ def linear(x: torch.Tensor, layout: Int8xPlanes, out: torch.Tensor | None = None
     if x.stride(1) != 1 and layout.k > 1:
         x = x.contiguous()
     if config is None:
-        wpt, _, tpc, stages, splits = default_config(x.shape[0], layout.n, layout.k, *_device(x.device))
+        wpt, _, tpc, stages, splits = default_config(x.shape[0], layout.n, layout.k, *device_limits(x.device))
     extension().linear(x, *layout.tensors, layout.n, layout.k, out, wpt, tpc, stages, splits)
     return out

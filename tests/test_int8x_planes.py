@@ -265,7 +265,7 @@ def test_cuda_split_along_k_needs_clusters(monkeypatch):
     (an error raised inside the extension ends the process on some CUDA images)."""
     from vllm_parity.serving import int8x_planes_cuda as kc
 
-    monkeypatch.setattr(kc, "_device", lambda device: (108, 163 * 1024, 8))
+    monkeypatch.setattr(kc, "device_limits", lambda device: (108, 163 * 1024, 8))
     lay = _layout(seed_mix(16, 1024, seed=3))
     with pytest.raises(ValueError, match=r"config \(1, 4, 2, 2\) splits K over a cluster of CTAs, which needs compute "
                                          "capability 9, the device has 8"):

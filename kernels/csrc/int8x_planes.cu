@@ -208,9 +208,9 @@ __host__ __device__ constexpr int64_t reduce_floats(int wpt, int tpc) {
 // the start.
 template <int MT>
 __host__ __device__ constexpr int64_t linear_smem(int wpt, int tpc, int ns) {
-  return (int64_t)wpt * XStage<MT>::BYTES + (int64_t)wpt * tpc * warp_bytes(ns) > reduce_floats<MT>(wpt, tpc) * 4
-             ? (int64_t)wpt * XStage<MT>::BYTES + (int64_t)wpt * tpc * warp_bytes(ns)
-             : reduce_floats<MT>(wpt, tpc) * 4;
+  const int64_t staged = (int64_t)wpt * XStage<MT>::BYTES + (int64_t)wpt * tpc * warp_bytes(ns);
+  const int64_t reduce = reduce_floats<MT>(wpt, tpc) * 4;
+  return staged > reduce ? staged : reduce;
 }
 
 // The threads that stage one x slice: a warp (one tile a CTA) or the tpc warps of one chunk run (named barrier
