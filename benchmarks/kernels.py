@@ -530,16 +530,20 @@ def int8x_native_rows(q: torch.Tensor, tensors: dict, stream_bytes: int, copy_gb
 
 @functools.lru_cache(maxsize=None)
 def planes_weight(k: int, n: int, dist: str):
-    """q (n, k) int8 of the seed level mix or round(N(0, 2.5^2)) and its planes layout on the GPU (scale 0.01),
-    made once per run: the rows and the sweep share them (the seed mix takes tens of seconds on the host)."""
-    from vllm_parity.fixtures.weights import gaussian, seed_mix
+    """q (n, k) int8 of the seed level mix, a real model's level mix or round(N(0, 2.5^2)) (``dist``: seed-mix,
+    real-mix, gaussian-2.5) and its planes layout on the GPU (scale 0.01), made once per run: the rows and the sweep
+    share them (the level mixes take tens of seconds on the host)."""
+    from vllm_parity.fixtures.weights import gaussian, real_mix, seed_mix
     from vllm_parity.serving import int8x_planes
 
-    q = seed_mix(n, k, seed=3) if dist == "seed-mix" else gaussian(n, k, 2.5, seed=3)
+    mixes = {"seed-mix": seed_mix, "real-mix": real_mix, "gaussian-2.5": lambda n, k, seed: gaussian(n, k, 2.5, seed)}
+    q = mixes[dist](n, k, seed=3)
     return q, int8x_planes.pack(q, torch.tensor([0.01])).to("cuda")
 
 
 PLANES_TARGETS = list(itertools.product([(4096, 14336), (14336, 4096)], ("seed-mix", "gaussian-2.5")))
+# The rows also time a real model's level mix (12 % fixup records, 6.47 bits a weight); the sweep does not.
+PLANES_ROW_TARGETS = list(itertools.product([(4096, 14336), (14336, 4096)], ("seed-mix", "real-mix", "gaussian-2.5")))
 
 
 def planes_rotations(k: int, n: int, dist: str):
@@ -556,14 +560,15 @@ def planes_rotations(k: int, n: int, dist: str):
 
 def int8x_planes_rows(copy_gbps: float) -> list[dict]:
     """The planes layout (5-bit plane + fixup records, kernels/int8x_planes.py) at both target shapes on the seed
-    level mix and on round(N(0, 2.5^2)): the tensor-core GEMV at M = 1 and 16 (bf16 x) and the decode to a dense
-    bf16 weight, its copies rotated over 256 MiB, against torch bf16 F.linear measured beside it."""
+    level mix, a real model's level mix and round(N(0, 2.5^2)): the tensor-core GEMV at M = 1 and 16 (bf16 x) and
+    the decode to a dense bf16 weight, its copies rotated over 256 MiB, against torch bf16 F.linear measured beside
+    it."""
     from vllm_parity.serving import int8x_planes_cuda
 
     if not int8x_planes_cuda.available():
         return [dict(kernel="int8x_planes", error="no nvcc: the planes kernels cannot be built")]
     rows = []
-    for (k, n), dist in PLANES_TARGETS:
+    for (k, n), dist in PLANES_ROW_TARGETS:
         base, (layouts, next_layout), (copies, next_wb) = planes_rotations(k, n, dist)
         info = dict(K=k, N=n, dist=dist, dtype="bfloat16", bits_per_weight=round(base.bits_per_weight, 4),
                     fixups=base.fixups, baseline="torch_bf16_linear")

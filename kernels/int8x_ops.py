@@ -164,8 +164,8 @@ def linear(x: torch.Tensor, tensors: dict[str, torch.Tensor], shape: tuple[int, 
 def serving_layout(q: torch.Tensor, tensors: dict[str, torch.Tensor]) -> tuple[str, object | None]:
     """The layout a validated int8x tensor set (its int8 weights ``q``) is served in, by ``PARITY_INT8X_LAYOUT``
     (``choose.int8x_layout``): ``("native", Int8xNative)`` where that fits, else ``("planes", Int8xPlanes)`` where
-    that is smaller than the stored tensors (``auto``; ``native`` / ``planes`` force one), else ``("streams",
-    None)``. The vLLM method and the kernels candidate both serve what this says."""
+    that is at most ``int8x_planes.AUTO_MARGIN`` larger than the stored tensors (``auto``; ``native`` / ``planes``
+    force one), else ``("streams", None)``. The vLLM method and the kernels candidate both serve what this says."""
     from vllm_parity.serving import int8x_native, int8x_planes
 
     choice = choose.int8x_layout()

@@ -1,6 +1,7 @@
 """``quant_method: int8x`` (FORMATS.md section 2) in vLLM: the config and the linear method, which loads
 the streams strictly, validates them once (the serving side's own decoder) and serves the native layout
-where it fits, else the planes layout where it is smaller than the streams, else the streams."""
+where it fits, else the planes layout where it is at most 3 % larger than the streams (a real model's level mix
+makes it slightly larger, and its GEMV is several times faster), else the streams."""
 
 from __future__ import annotations
 
