@@ -37,7 +37,8 @@ def planes(argv: list[str]) -> int:
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--n", type=int, default=14336)
-    ap.add_argument("--dist", choices=("seed-mix", "real-mix", "gaussian-2.5"), default="seed-mix")
+    ap.add_argument("--dist", choices=("seed-mix", "real-mix", "gaussian-2.5"), default="seed-mix",
+                    help="the weights: the seed's level mix, a real model's, or round(N(0, 2.5^2))")
     ap.add_argument("--config", default=None, help="warps,tiles_per_cta[,stages[,splits]] (default: the kernel's choice)")
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--cache", default=None, help="a file for the packed layout: read if there, else written")
