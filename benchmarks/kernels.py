@@ -28,6 +28,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from vllm_parity.fixtures.weights import DISTS  # noqa: E402
 from vllm_parity.reference.formats.ternary import PRESETS, TernarySpec  # noqa: E402
 from vllm_parity.reference.formats.ternary import pack_values  # noqa: E402
 from vllm_parity.serving import choose, ternary_ops, ternary_triton  # noqa: E402
@@ -533,17 +534,16 @@ def planes_weight(k: int, n: int, dist: str):
     """q (n, k) int8 of the seed level mix, a real model's level mix or round(N(0, 2.5^2)) (``dist``: seed-mix,
     real-mix, gaussian-2.5) and its planes layout on the GPU (scale 0.01), made once per run: the rows and the sweep
     share them (the level mixes take tens of seconds on the host)."""
-    from vllm_parity.fixtures.weights import gaussian, real_mix, seed_mix
+    from vllm_parity.fixtures.weights import by_name
     from vllm_parity.serving import int8x_planes
 
-    mixes = {"seed-mix": seed_mix, "real-mix": real_mix, "gaussian-2.5": lambda n, k, seed: gaussian(n, k, 2.5, seed)}
-    q = mixes[dist](n, k, seed=3)
+    q = by_name(dist, n, k, seed=3)
     return q, int8x_planes.pack(q, torch.tensor([0.01])).to("cuda")
 
 
 PLANES_TARGETS = list(itertools.product([(4096, 14336), (14336, 4096)], ("seed-mix", "gaussian-2.5")))
 # The rows also time a real model's level mix (12 % fixup records, 6.47 bits a weight); the sweep does not.
-PLANES_ROW_TARGETS = list(itertools.product([(4096, 14336), (14336, 4096)], ("seed-mix", "real-mix", "gaussian-2.5")))
+PLANES_ROW_TARGETS = list(itertools.product([(4096, 14336), (14336, 4096)], DISTS))
 
 
 def planes_rotations(k: int, n: int, dist: str):

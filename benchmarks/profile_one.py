@@ -30,14 +30,14 @@ from vllm_parity.serving.ternary_repack import repack
 def planes(argv: list[str]) -> int:
     import argparse
 
-    from vllm_parity.fixtures.weights import gaussian, real_mix, seed_mix
+    from vllm_parity.fixtures.weights import DISTS, by_name
     from vllm_parity.serving import int8x_planes, int8x_planes_cuda
 
     ap = argparse.ArgumentParser(prog="profile_one.py planes")
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--n", type=int, default=14336)
-    ap.add_argument("--dist", choices=("seed-mix", "real-mix", "gaussian-2.5"), default="seed-mix",
+    ap.add_argument("--dist", choices=DISTS, default="seed-mix",
                     help="the weights: the seed's level mix, a real model's, or round(N(0, 2.5^2))")
     ap.add_argument("--config", default=None, help="warps,tiles_per_cta[,stages[,splits]] (default: the kernel's choice)")
     ap.add_argument("--calls", type=int, default=3)
@@ -51,9 +51,7 @@ def planes(argv: list[str]) -> int:
         if (layout.n, layout.k) != (args.n, args.k):
             raise SystemExit(f"{args.cache} holds a ({layout.n}, {layout.k}) weight, not ({args.n}, {args.k})")
     else:  # the seed mix takes tens of seconds on the host
-        mixes = {"seed-mix": seed_mix, "real-mix": real_mix,
-                 "gaussian-2.5": lambda n, k, seed: gaussian(n, k, 2.5, seed)}
-        q = mixes[args.dist](args.n, args.k, seed=3)
+        q = by_name(args.dist, args.n, args.k, seed=3)
         layout = int8x_planes.pack(q, torch.tensor([0.01]))
         if args.cache:
             safetensors.torch.save_file(dict(zip(int8x_planes.TENSORS, layout.tensors)), args.cache,

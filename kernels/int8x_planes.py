@@ -251,9 +251,13 @@ def estimate_bytes(q: torch.Tensor) -> int:
 AUTO_MARGIN = 0.03
 
 
+def _within_margin(nbytes: int, tensors: dict[str, torch.Tensor]) -> bool:
+    return nbytes <= stored_bytes(tensors) * (1 + AUTO_MARGIN)
+
+
 def fits(layout: Int8xPlanes, tensors: dict[str, torch.Tensor]) -> bool:
     """Whether the layout takes at most AUTO_MARGIN more memory than the stored tensors it would replace."""
-    return layout.nbytes <= stored_bytes(tensors) * (1 + AUTO_MARGIN)
+    return _within_margin(layout.nbytes, tensors)
 
 
 # -- the op ---------------------------------------------------------------------------------------
@@ -341,6 +345,6 @@ def for_serving(q: torch.Tensor, tensors: dict[str, torch.Tensor], layout: str |
     choice = layout or choose.int8x_layout()
     if choice not in ("planes", "auto"):
         return None
-    if choice == "auto" and estimate_bytes(q) > stored_bytes(tensors) * (1 + AUTO_MARGIN):
+    if choice == "auto" and not _within_margin(estimate_bytes(q), tensors):
         return None
     return pack(q, tensors["weight_scale"].cpu())
