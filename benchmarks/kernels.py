@@ -386,9 +386,11 @@ def sweep_gemm(copy_gbps: float) -> list[dict]:
         for m in (64, 128, 256, 512) if group else (32, 64, 96, 128, 192, 256, 384, 512):
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             cands = []
-            instances = ternary_cuda.GEMM_GROUP_INSTANCES if group else ternary_cuda.GEMM_INSTANCES
-            for (bn, wg, stages), split in itertools.product(instances, (1, 2, 4, 8)):
-                cfg = dict(bn=bn, wg=wg, stages=stages, split=split)
+            instances = [(*i, False) for i in (ternary_cuda.GEMM_GROUP_INSTANCES if group else
+                                                ternary_cuda.GEMM_INSTANCES)]
+            instances += [] if group else [(*i, True) for i in ternary_cuda.GEMM_WS_INSTANCES]
+            for (bn, wg, stages, ws), split in itertools.product(instances, (1, 2, 4, 8)):
+                cfg = dict(bn=bn, wg=wg, stages=stages, split=split, ws=ws)
 
                 def fn(cfg=cfg):
                     nat = next_native()

@@ -17,9 +17,9 @@ ternary (kernels/ternary_ops.py; the op ``vllm_parity::ternary_linear`` runs the
       ``torch``          backend ``torch``
       ``triton_gemv``    backend ``triton``, M <= TRITON_GEMV_MAX_M; else ``triton_mm``
       on backend ``cuda``, or ``auto`` where the CUDA kernels build (``ternary_cuda.available()``):
-      ``cuda_gemm``      the weight tiled, GEMM_MIN_M <= M < DEQUANT_MIN_M (any M >= GEMM_MIN_M with activation
-                         quantization), :func:`ternary_gemm_eligible` (``cuda_mma``'s cases, on compute
-                         capability 9.0: wgmma)
+      ``cuda_gemm``      the weight tiled, GEMM_MIN_M <= M < DEQUANT_MIN_M, or < GEMM_ROW_SCALE_MIN_DENSE_M with
+                         one scale a row (any M >= GEMM_MIN_M with activation quantization),
+                         :func:`ternary_gemm_eligible` (``cuda_mma``'s cases, on compute capability 9.0: wgmma)
       ``cuda_mma``       M <= MMA_MAX_M, fp16 / bf16, group size a multiple of 128 (:func:`ternary_mma_eligible`;
                          0 = no groups); on the tiled weight where there is one, else on the row layout
       ``cuda_dequant``   M >= DEQUANT_MIN_M, fp16 / bf16, no activation quantization
@@ -83,9 +83,12 @@ AUTO_CUDA_VEC_MAX_M = 2
 MMA_MAX_M = 64
 GEMM_MIN_M = 33
 DEQUANT_MIN_M = 384
+# With one scale a row cuda_gemm's warp-specialized kernel serves up to here (the dense weight from here on).
+GEMM_ROW_SCALE_MIN_DENSE_M = 1024
 # The last row count before each switch of ternary kernel above: a choice on each side of every one of them is
 # every kernel a layer may run.
-TERNARY_M_BOUNDS = (TRITON_GEMV_MAX_M, AUTO_CUDA_VEC_MAX_M, GEMM_MIN_M - 1, MMA_MAX_M, DEQUANT_MIN_M)
+TERNARY_M_BOUNDS = (TRITON_GEMV_MAX_M, AUTO_CUDA_VEC_MAX_M, GEMM_MIN_M - 1, MMA_MAX_M, DEQUANT_MIN_M,
+                    GEMM_ROW_SCALE_MIN_DENSE_M - 1)
 
 
 def ternary_backend(backend: str | None, device: torch.device) -> str:
@@ -118,10 +121,12 @@ def ternary_gemm_eligible(dtype: torch.dtype | None, group_size: int) -> bool:
     return ternary_cuda.gemm_supported()
 
 
-def _gemm_rows(m: int, act_quant: bool) -> bool:
-    """The row counts ``cuda_gemm`` serves (the H200 figures in benchmarks/NOTES.md): from GEMM_MIN_M, below
-    DEQUANT_MIN_M where the dense weight and cuBLAS are faster, which do not quantize activations."""
-    return m >= GEMM_MIN_M and (m < DEQUANT_MIN_M or act_quant)
+def _gemm_rows(m: int, act_quant: bool, group_size: int) -> bool:
+    """The row counts ``cuda_gemm`` serves (benchmarks/NOTES.md): from GEMM_MIN_M, below DEQUANT_MIN_M (with one
+    scale a row below GEMM_ROW_SCALE_MIN_DENSE_M) where the dense weight and cuBLAS are faster, which do not
+    quantize activations."""
+    dense_from = DEQUANT_MIN_M if group_size else GEMM_ROW_SCALE_MIN_DENSE_M
+    return m >= GEMM_MIN_M and (m < dense_from or act_quant)
 
 
 def ternary_kernel(backend: str, m: int, dtype: torch.dtype | None = None, group_size: int = 0,
@@ -136,7 +141,7 @@ def ternary_kernel(backend: str, m: int, dtype: torch.dtype | None = None, group
 
     cuda = backend == "cuda" or ternary_cuda.available()
     half = dtype in HALF_DTYPES
-    if cuda and tiled and _gemm_rows(m, act_quant) and ternary_gemm_eligible(dtype, group_size):
+    if cuda and tiled and _gemm_rows(m, act_quant, group_size) and ternary_gemm_eligible(dtype, group_size):
         return "cuda_gemm"
     if cuda and m <= MMA_MAX_M and ternary_mma_eligible(dtype, group_size):
         return "cuda_mma"
@@ -188,7 +193,7 @@ def ternary_tiles_kernel(m: int, dtype: torch.dtype | None, group_size: int, act
     """The kernel for ``m`` rows from the tiled copy alone (``ternary_ops.tiles_linear``): ``cuda_gemm`` where
     it serves (as in :func:`ternary_kernel`), else ``cuda_mma`` for M <= MMA_MAX_M where eligible, else
     ``cuda_dequant_tiles`` (the dense weight decoded from the tiles, then torch's GEMM; any dtype)."""
-    if _gemm_rows(m, act_quant) and ternary_gemm_eligible(dtype, group_size):
+    if _gemm_rows(m, act_quant, group_size) and ternary_gemm_eligible(dtype, group_size):
         return "cuda_gemm"
     if m <= MMA_MAX_M and ternary_mma_eligible(dtype, group_size):
         return "cuda_mma"

@@ -232,29 +232,40 @@ def tile_order(k: int) -> torch.Tensor:
 GEMM_INSTANCES = ((64, 1, 4), (64, 1, 6), (64, 2, 4), (64, 4, 4), (128, 1, 3), (128, 2, 3), (128, 2, 4), (128, 4, 3),
                   (128, 4, 4))
 GEMM_GROUP_INSTANCES = ((64, 1, 4), (64, 2, 4), (128, 2, 3))  # with group scales
+# the warp-specialized kernel (``ws``: A through shared memory, a producer and wg consumer warpgroups), no group scales
+GEMM_WS_INSTANCES = ((64, 2, 8), (128, 2, 6), (256, 2, 4), (128, 4, 4))
 
 
-def gemm_config(m: int, n: int, k: int, group_size: int = 0) -> dict:
-    """Tokens (bn) and warpgroups (wg, 64 rows each) a block, pipeline stages and split of K of the GEMM, the
-    rule of the C++ op (``gemm_auto_config``): up to 64 tokens blocks of 64 tokens x 256 rows (x 128 with group
-    scales), above 128 x 128; K split in two until the grid would pass the blocks a multiprocessor holds (2 of
-    128 x 128 without group scales, else 1), at most 8 ways and 8 chunks a split. From the H200 sweep in
-    benchmarks/NOTES.md."""
-    small = m <= 64
-    bn, wg, stages = (64, 2 if group_size else 4, 4) if small else (128, 2, 3)
-    per_sm = 2 if (bn, wg) == (128, 2) and not group_size else 1
+# From GEMM_WS_MIN_M tokens, one scale a row: the warp-specialized kernel (benchmarks/NOTES.md).
+GEMM_WS_MIN_M = 128
+
+
+def gemm_config(m: int, n: int, k: int, group_size: int = 0, ws: bool | None = None) -> dict:
+    """Tokens (bn) and warpgroups (wg, 64 rows each) a block, pipeline stages, split of K and kernel (ws: the
+    warp-specialized one) of the GEMM, the rule of the C++ op (``gemm_auto_config``). One scale a row from
+    GEMM_WS_MIN_M tokens: ws, blocks of 128 tokens x 128 rows up to 128 tokens, above 256 x 128. Else up to 64
+    tokens blocks of 64 tokens x 256 rows (x 128 with group scales), above 128 x 128. K split in two until the grid
+    would pass the blocks a multiprocessor holds (2 of the register-A kernel's 128 x 128 without group scales, else
+    1), at most 8 ways and 8 chunks a split. From the sweeps in benchmarks/NOTES.md. ``ws`` False: the register-A
+    kernel's launch whatever M (benchmarks compare the two)."""
+    ws = not group_size and m >= GEMM_WS_MIN_M and ws is not False
+    if ws:
+        bn, wg, stages = (128, 2, 6) if m <= 128 else (256, 2, 4)
+    else:
+        bn, wg, stages = (64, 2 if group_size else 4, 4) if m <= 64 else (128, 2, 3)
+    per_sm = 2 if (bn, wg) == (128, 2) and not group_size and not ws else 1
     blocks = -(-n // (64 * wg)) * -(-m // bn)
     kc = -(-k // 128)
     split = 1
     while split < 8 and blocks * split * 2 <= per_sm * _num_sms() and kc // (split * 2) >= 8:
         split *= 2
-    return {"bn": bn, "wg": wg, "stages": stages, "split": split}
+    return {"bn": bn, "wg": wg, "stages": stages, "split": split, "ws": ws}
 
 
 def gemm_cpp_config(m: int, n: int, k: int, group_size: int) -> dict:
     """The launch the C++ op ``parity_ternary.gemm`` chooses for this shape (for tests)."""
-    bn, wg, stages, split = gemm_extension().gemm_auto_config(m, n, k, group_size)
-    return {"bn": bn, "wg": wg, "stages": stages, "split": split}
+    bn, wg, stages, split, ws = gemm_extension().gemm_auto_config(m, n, k, group_size)
+    return {"bn": bn, "wg": wg, "stages": stages, "split": split, "ws": bool(ws)}
 
 
 def linear_gemm(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
@@ -265,11 +276,14 @@ def linear_gemm(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias:
     if not gemm_supported():
         raise RuntimeError("ternary gemm needs a GPU of compute capability 9.0 (wgmma) and nvcc")
     cfg = dict(gemm_config(x.shape[0], n, k, group_size), **(config or {}))
-    instances = GEMM_GROUP_INSTANCES if group_size else GEMM_INSTANCES
+    ws = bool(cfg.get("ws", False))
+    if ws and group_size:
+        raise ValueError("ternary gemm: the warp-specialized kernel (ws) takes one scale a row, not group scales")
+    instances = GEMM_WS_INSTANCES if ws else GEMM_GROUP_INSTANCES if group_size else GEMM_INSTANCES
     if (cfg["bn"], cfg["wg"], cfg["stages"]) not in instances:
         raise ValueError(f"ternary gemm: no instance for {cfg}{' with group scales' if group_size else ''}; "
                          f"compiled (bn, wg, stages): {instances}")
     if int(cfg["split"]) < 1:
         raise ValueError(f"ternary gemm: split must be >= 1, got {cfg['split']}")
     return gemm_extension().gemm(x, tiles, scale, bias, n, k, group_size, act_quant, cfg["bn"], cfg["wg"],
-                                 cfg["stages"], int(cfg["split"]))
+                                 cfg["stages"], int(cfg["split"]), ws)

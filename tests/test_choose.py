@@ -84,7 +84,9 @@ def test_ternary_kernel_choice_is_by_shape_only():
         assert choose.ternary_kernel("cuda", 64, half, 0) == "cuda_mma", "cuda_gemm reads only the tiles"
         assert choose.ternary_kernel("cuda", 32, half, 0, tiled=True) == "cuda_mma"
         assert choose.ternary_kernel("cuda", 383, torch.bfloat16, 256, tiled=True) == "cuda_gemm"
-        assert choose.ternary_kernel("cuda", 384, half, 0, tiled=True) == "cuda_dequant"
+        assert choose.ternary_kernel("cuda", 384, torch.bfloat16, 256, tiled=True) == "cuda_dequant"
+        assert choose.ternary_kernel("cuda", 1023, half, 0, tiled=True) == "cuda_gemm", "one scale a row: ws"
+        assert choose.ternary_kernel("cuda", 1024, half, 0, tiled=True) == "cuda_dequant"
         assert choose.ternary_kernel("cuda", 4096, half, 0, act_quant=True, tiled=True) == "cuda_gemm"
         assert choose.ternary_kernel("cuda", 64, half, 64, tiled=True) == "cuda_vec", "group 64 is not the GEMM's"
         mp.setattr(ternary_cuda, "gemm_supported", lambda: False)
@@ -108,8 +110,9 @@ def test_ternary_mma_eligible():
 
 def _gemm_serves(m: int, dtype, group: int, act_quant: bool, gemm_runs: bool) -> bool:
     """choose.py's docstring for cuda_gemm, written independently of its code (the weight tiled, a CUDA backend)."""
+    dense_from = choose.DEQUANT_MIN_M if group else choose.GEMM_ROW_SCALE_MIN_DENSE_M
     return (gemm_runs and dtype in (torch.float16, torch.bfloat16) and group % 128 == 0 and m >= choose.GEMM_MIN_M
-            and (m < choose.DEQUANT_MIN_M or act_quant))
+            and (m < dense_from or act_quant))
 
 
 def _ternary_eligible(kernel: str, backend: str, m: int, dtype, group: int, act_quant: bool,

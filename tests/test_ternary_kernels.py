@@ -465,13 +465,16 @@ def test_mma_arguments_are_checked_in_python():
 @given(m=st.integers(1, 8192), n=st.integers(1, 65536), k=st.integers(1, 65536), group=st.sampled_from([0, 128, 256]),
        sms=st.sampled_from([78, 114, 132]))
 def test_gemm_config_is_a_compiled_instance(m, n, k, group, sms):
-    """Every default launch of the GEMM is one of its compiled instances (group scales: their own), K split into a
-    power of two up to 8 ways, 8 chunks a split at least where split."""
+    """Every default launch of the GEMM is one of its compiled instances (group scales: their own; the
+    warp-specialized kernel's from GEMM_WS_MIN_M tokens without them), K split into a power of two up to 8 ways,
+    8 chunks a split at least where split."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ternary_cuda, "_num_sms", lambda: sms)
         cfg = ternary_cuda.gemm_config(m, n, k, group)
-    instances = ternary_cuda.GEMM_GROUP_INSTANCES if group else ternary_cuda.GEMM_INSTANCES
+    instances = (ternary_cuda.GEMM_WS_INSTANCES if cfg["ws"] else ternary_cuda.GEMM_GROUP_INSTANCES if group else
+                 ternary_cuda.GEMM_INSTANCES)
     assert (cfg["bn"], cfg["wg"], cfg["stages"]) in instances, cfg
+    assert cfg["ws"] == (not group and m >= ternary_cuda.GEMM_WS_MIN_M), cfg
     assert cfg["split"] in (1, 2, 4, 8), cfg
     assert cfg["split"] == 1 or -(-k // 128) // cfg["split"] >= 8, cfg
 
@@ -644,6 +647,67 @@ def test_tile_order_feeds_wgmma(n, k):
                 y[:, tile * 16:tile * 16 + 16] += (a @ xs[:, base:base + 16].t()).t()
     ref = x @ values.to(torch.float64).t()
     assert torch.allclose(y[:, :n] / 2.0, ref, atol=1e-12), f"max |err| {(y[:, :n] / 2.0 - ref).abs().max()}"
+
+
+def _swizzled(rows: int) -> tuple[torch.Tensor, callable]:
+    """A K-major 64-input half of rows x 128 bytes with the 128-byte swizzle, as fp16 slots: (row, input) sits at
+    16-byte vector (input // 8) ^ (row % 8) of the row."""
+    buf = torch.full((rows * 64,), float("nan"), dtype=torch.float64)
+    return buf, lambda row, kk: row * 64 + (((kk // 8) ^ (row % 8)) * 8) + kk % 8
+
+
+@pytest.mark.parametrize("n, k, m, bn", [(64, 256, 5, 64), (80, 300, 70, 64)])
+def test_ws_shared_layouts_feed_wgmma(n, k, m, bn):
+    """The warp-specialized GEMM's shared memory, emulated: the producer's stmatrix of each lane's decoded tile
+    registers (lanes 8 i .. 8 i + 7 address matrix i's rows, register i of lane 4 r + c / 2 is its element (r, c))
+    and the blocked copy of x (stage_x_blocked_kernel), both read back through the swizzle as wgmma reads them,
+    give x @ W^T."""
+    gen = torch.Generator().manual_seed(n + k + m)
+    values = torch.randint(-1, 2, (n, k), generator=gen)
+    x = torch.randn(m, k, generator=gen, dtype=torch.float64)
+    tiles = pack_tiles(values)
+    nt, kc = tiles.shape[:2]
+    word_pair = _tiles_word_pair(tiles)
+    ext_pos = ternary_cuda.tile_order(128).tolist()  # input r of a chunk at ext_pos[r]
+    y = torch.zeros(m, nt * 16, dtype=torch.float64)
+    for c in range(kc):
+        for h in range(2):
+            # the producer: a 16-row A half per tile (rows of the block's A buffer; one tile here)
+            a_half = torch.zeros(nt * 16, 64, dtype=torch.float64)
+            for tile in range(nt):
+                buf, at = _swizzled(16)
+                for ks in range(4):
+                    step = 4 * h + ks
+                    for lane in range(32):  # the lane giving a row address: matrix i, row r
+                        i, r = lane // 8, lane % 8
+                        row = r + 8 * (i & 1)
+                        addr = row * 64 + (((2 * ks + (lane >> 4)) ^ r) * 8)  # row_off + ((2 ks + hi) ^ r) << 4
+                        for col in range(8):  # element (r, col) of matrix i: lane 4 r + col / 2, register i
+                            word, pair = word_pair(tile, c, 4 * r + col // 2, step, i)
+                            f = (word >> (2 * pair + 16 * (col % 2))) & 3
+                            buf[addr + col] = 2.0 * (f & 1) * (1 - (f & 2))
+                for row in range(16):
+                    for kk in range(64):
+                        a_half[16 * tile + row, kk] = buf[at(row, kk)]
+            # x: token t of a block of bn, input r of chunk c at position p = ext_pos[r] of half p // 64
+            xh = torch.zeros(m, 64, dtype=torch.float64)
+            for mb in range(-(-m // bn)):
+                buf, at = _swizzled(bn)
+                buf.zero_()
+                for tok in range(bn):
+                    if mb * bn + tok >= m:
+                        continue
+                    for r in range(128):
+                        p = ext_pos[r]
+                        if p // 64 == h and c * 128 + r < k:
+                            buf[tok * 64 + (((p % 64) // 8) ^ (tok % 8)) * 8 + p % 8] = x[mb * bn + tok, c * 128 + r]
+                for tok in range(min(bn, m - mb * bn)):
+                    for kk in range(64):
+                        xh[mb * bn + tok, kk] = buf[at(tok, kk)]
+            assert not a_half.isnan().any(), "stmatrix left A slots unwritten"
+            y += xh @ a_half.t()
+    ref = x @ values.to(torch.float64).t()
+    assert torch.allclose(y[:, :n] / 2.0, ref, atol=1e-10), f"max |err| {(y[:, :n] / 2.0 - ref).abs().max()}"
 
 
 def test_native_rejects_bad_tiles():
@@ -1085,14 +1149,17 @@ _GEMM_SHAPES = [(1, 64, 128, 1), (130, 200, 1000, 1), (300, 520, 2100, 3), (64, 
 @pytest.mark.gpu
 @needs_gemm
 @pytest.mark.parametrize("inst, m, n, k, split", [
-    *(((*i, False), *shape) for i in ternary_cuda.GEMM_INSTANCES for shape in _GEMM_SHAPES),
+    *(((*i, False, False), *shape) for i in ternary_cuda.GEMM_INSTANCES for shape in _GEMM_SHAPES),
     # group scales: K a multiple of 128 and more than one group
-    *(((*i, True), *shape) for i in ternary_cuda.GEMM_GROUP_INSTANCES for shape in _GEMM_SHAPES
-      if shape[2] % 128 == 0 and shape[2] > 128)])
+    *(((*i, True, False), *shape) for i in ternary_cuda.GEMM_GROUP_INSTANCES for shape in _GEMM_SHAPES
+      if shape[2] % 128 == 0 and shape[2] > 128),
+    *(((*i, False, True), *shape) for i in ternary_cuda.GEMM_WS_INSTANCES for shape in _GEMM_SHAPES)],
+    ids=lambda v: "bn{}-wg{}-st{}{}{}".format(*v[:3], "-group" * v[3], "-ws" * v[4]) if isinstance(v, tuple) else None)
 def test_gpu_gemm_matches_reference(inst, m, n, k, split):
-    """Every compiled instance, split or not, ragged M, N and K: fp16 with bias on a contiguous x; bf16 with
-    activation quantization on a strided x (NaN between its elements); group scales of 128 (or 256) inputs."""
-    bn, wg, stages, group = inst
+    """Every compiled instance (the warp-specialized ones too), split or not, ragged M, N and K: fp16 with bias on a
+    contiguous x; bf16 with activation quantization on a strided x (NaN between its elements); group scales of 128
+    (or 256) inputs."""
+    bn, wg, stages, group, ws = inst
     variants = [(PRESETS["seed-article"], torch.float16, "contiguous"), (PRESETS["hf-bitnet"], torch.bfloat16, "strided")]
     if group:
         gs = 256 if k % 256 == 0 else 128
@@ -1106,7 +1173,7 @@ def test_gpu_gemm_matches_reference(inst, m, n, k, split):
         with poisoned_empty():
             out = ternary_cuda.linear_gemm(shaped(built["x"], layout), nat.tiles, nat.scale, built["bias"], n, k,
                                            nat.group_size, nat.act_quant,
-                                           config=dict(bn=bn, wg=wg, stages=stages, split=split))
+                                           config=dict(bn=bn, wg=wg, stages=stages, split=split, ws=ws))
         check(out, built, case, f"cuda_gemm {inst} split {split} {dtype}")
 
 
@@ -1129,15 +1196,15 @@ def test_gpu_gemm_default_config_hypothesis(case):
 
 @pytest.mark.gpu
 @needs_gemm
-@pytest.mark.parametrize("split", [1, 4])
-def test_gpu_gemm_in_cuda_graph_and_nan(split):
+@pytest.mark.parametrize("split, ws", [(1, False), (4, False), (1, True), (4, True)])
+def test_gpu_gemm_in_cuda_graph_and_nan(split, ws):
     """Replays of a captured GEMM write the reference every time; a NaN in one token's activations makes
     that token's outputs NaN and no other's."""
     case = _gemm_case(PRESETS["seed-article"], 200, 1024, 4096, torch.float16, seed=90 + split)
     built = build(case, "cuda")
     nat = built["native"].with_tiles()
     x = built["x"].clone()
-    cfg = dict(bn=128, wg=2, stages=3, split=split)
+    cfg = dict(bn=128, wg=2, stages=6 if ws else 3, split=split, ws=ws)
 
     def run():
         return (ternary_cuda.linear_gemm(x, nat.tiles, nat.scale, built["bias"], nat.n, nat.k, 0, False, config=cfg),)

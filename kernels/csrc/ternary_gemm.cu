@@ -12,6 +12,8 @@
 // 128-byte swizzle wgmma reads (two 64-input halves of BN rows of 128 bytes), the block's weight tiles beside
 // it. split > 1 cuts K across blocks: each writes its fp32 partial, finish_kernel adds them in order. Group
 // scales (a multiple of 128 inputs) scale each chunk's sums, held apart, once its MMAs are done.
+// gemm_ws_kernel (ws) instead decodes the tiles into shared memory in a producer warpgroup, so the consumers'
+// MMAs (both operands from shared memory) stay in flight across chunks; one scale a row only.
 
 #include <torch/extension.h>
 #include <c10/cuda/CUDAException.h>
@@ -42,9 +44,26 @@ __host__ __device__ constexpr int tile_pos(int r) {
   return 16 * ((r >> 2) & 7) + ((r & 3) < 2 ? 2 * (r >> 5) + (r & 3) : 8 + 2 * (r >> 5) + (r & 3) - 2);
 }
 
+// Inputs k0 .. k0 + 7 of a row of x (one 16-byte load where x's rows allow it), zeros past K; with QUANT its int8
+// levels at scale s (in x's dtype).
+template <typename T, bool QUANT>
+__device__ __forceinline__ void load_x8(const T* __restrict__ row, int64_t sxk, int k0, int K, bool vec, float s,
+                                        T (&v)[8]) {
+  if (vec && k0 + 8 <= K) {
+    *reinterpret_cast<uint4*>(v) = __ldg(reinterpret_cast<const uint4*>(row + k0));
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = k0 + e < K ? row[(int64_t)(k0 + e) * sxk] : from_f<T>(0.f);
+  }
+  if (QUANT) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = from_f<T>(parity::quant_level(to_f(v[e]), s));
+  }
+}
+
 // x (M, K) (any strides) to xs (M, Kp) in the tiles' k order, zeros past K; with QUANT the per-token int8
-// levels (in x's dtype) and their scales sx. One block per token, a thread per 8 inputs (one 16-byte load
-// where x's rows allow it), stored as 4 pairs: a pair stays adjacent (tile_pos(r + 1) = tile_pos(r) + 1, r even).
+// levels (in x's dtype) and their scales sx. One block per token, a thread per 8 inputs, stored as 4 pairs: a pair
+// stays adjacent (tile_pos(r + 1) = tile_pos(r) + 1, r even).
 template <typename T, bool QUANT>
 __global__ void stage_x_kernel(const T* __restrict__ x, int64_t sxm, int64_t sxk, T* __restrict__ xs,
                                float* __restrict__ sx, int K, int Kp, bool vec) {
@@ -55,22 +74,40 @@ __global__ void stage_x_kernel(const T* __restrict__ x, int64_t sxm, int64_t sxk
   T* out = xs + (int64_t)m * Kp;
   for (int k0 = 8 * threadIdx.x; k0 < Kp; k0 += 8 * blockDim.x) {
     __align__(16) T v[8];
-    if (vec && k0 + 8 <= K) {
-      *reinterpret_cast<uint4*>(v) = __ldg(reinterpret_cast<const uint4*>(row + k0));
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = k0 + e < K ? row[(int64_t)(k0 + e) * sxk] : from_f<T>(0.f);
-    }
-    if (QUANT) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = from_f<T>(parity::quant_level(to_f(v[e]), s));
-    }
+    load_x8<T, QUANT>(row, sxk, k0, K, vec, s, v);
     T* chunk = out + (k0 & ~127);
 #pragma unroll
     for (int e = 0; e < 8; e += 2)
       *reinterpret_cast<uint32_t*>(chunk + tile_pos((k0 + e) & 127)) = *reinterpret_cast<const uint32_t*>(v + e);
   }
   if (QUANT && threadIdx.x == 0) sx[m] = s;
+}
+
+// x (M, K) (any strides) to xb for the warp-specialized GEMM: per block of BN tokens and 64-input half of a chunk,
+// the BN x 128 bytes wgmma reads with the 128-byte swizzle (row r's 16-byte vector q at (q ^ (r % 8)) * 16), in
+// the tiles' k order, contiguous so one bulk copy fills a stage; tokens past M and inputs past K are zeros. Grid:
+// one block a token of Mp (M rounded up to BN).
+template <typename T, bool QUANT>
+__global__ void stage_x_blocked_kernel(const T* __restrict__ x, int64_t sxm, int64_t sxk, T* __restrict__ xb,
+                                       float* __restrict__ sx, int M, int K, int KC, int BN, bool vec) {
+  const int m = blockIdx.x, mb = m / BN, r = m % BN, Kp = KC * TILE_K;
+  const bool live = m < M;
+  const T* row = x + (int64_t)min(m, M - 1) * sxm;
+  float s = 1.f;
+  if (QUANT && live) s = parity::row_quant_scale(row, sxk, K);
+  for (int k0 = 8 * threadIdx.x; k0 < Kp; k0 += 8 * blockDim.x) {
+    __align__(16) T v[8];
+    load_x8<T, QUANT>(row, sxk, k0, live ? K : 0, vec, s, v);
+    const int c = k0 >> 7;
+#pragma unroll
+    for (int e = 0; e < 8; e += 2) {
+      const int p = tile_pos((k0 + e) & 127), q = (p & 63) >> 3;
+      T* half = xb + (((int64_t)mb * KC + c) * 2 + (p >> 6)) * BN * 64;
+      *reinterpret_cast<uint32_t*>(half + r * 64 + ((q ^ (r & 7)) << 3) + (p & 7)) =
+          *reinterpret_cast<const uint32_t*>(v + e);
+    }
+  }
+  if (QUANT && live && threadIdx.x == 0) sx[m] = s;
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -126,6 +163,36 @@ PARITY_WGMMA(__half, "f16", 128, PARITY_R64, PARITY_D64, 64, 65, 66, 67, 68, 69)
 PARITY_WGMMA(__nv_bfloat16, "bf16", 128, PARITY_R64, PARITY_D64, 64, 65, 66, 67, 68, 69)
 #endif
 #undef PARITY_WGMMA
+#define PARITY_D128 PARITY_D64, PARITY_F8(64), PARITY_F8(72), PARITY_F8(80), PARITY_F8(88), PARITY_F8(96), \
+      PARITY_F8(104), PARITY_F8(112), PARITY_F8(120)
+#define PARITY_R128 PARITY_R64 "," \
+  "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79," \
+  "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95," \
+  "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111," \
+  "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+// d += A (64 x 16) * B (16 x N), both in shared memory (K-major, 128-byte swizzle), fp32 accumulators.
+template <typename T, int N> struct WgmmaSS;
+#define PARITY_WGMMA_SS(T, PTX_T, N, DREGS, DOPS, DA, DB)                                                      \
+  template <> struct WgmmaSS<T, N> {                                                                          \
+    static __device__ __forceinline__ void run(float (&d)[N / 2], uint64_t da, uint64_t db) {                 \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                                 \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_T "." PTX_T " "                      \
+                   "{" DREGS "}, %" #DA ", %" #DB ", p, 1, 1, 0, 0;\n}\n"                                   \
+                   : DOPS                                                                                     \
+                   : "l"(da), "l"(db));                                                                       \
+    }                                                                                                         \
+  };
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+PARITY_WGMMA_SS(__half, "f16", 64, PARITY_R32, PARITY_D32, 32, 33)
+PARITY_WGMMA_SS(__nv_bfloat16, "bf16", 64, PARITY_R32, PARITY_D32, 32, 33)
+PARITY_WGMMA_SS(__half, "f16", 128, PARITY_R64, PARITY_D64, 64, 65)
+PARITY_WGMMA_SS(__nv_bfloat16, "bf16", 128, PARITY_R64, PARITY_D64, 64, 65)
+PARITY_WGMMA_SS(__half, "f16", 256, PARITY_R128, PARITY_D128, 128, 129)
+PARITY_WGMMA_SS(__nv_bfloat16, "bf16", 256, PARITY_R128, PARITY_D128, 128, 129)
+#endif
+#undef PARITY_WGMMA_SS
+#undef PARITY_R128
+#undef PARITY_D128
 #undef PARITY_R64
 #undef PARITY_R32
 #undef PARITY_D64
@@ -140,6 +207,31 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 // Keeps the compiler from moving accesses of v across the asynchronous MMAs that write it.
 __device__ __forceinline__ void pin(float& v) { asm volatile("" : "+f"(v)::"memory"); }
+
+// mbarriers (shared memory, 8 bytes each), the bulk copy that completes on one, and stmatrix.
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void stmatrix4(uint32_t addr, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(addr), "r"(a0), "r"(a1), "r"(a2), "r"(a3) : "memory");
+}
 
 // Shared memory of a stage: x (two halves of BN rows x 128 bytes, 1024-byte aligned), then the block's tiles.
 template <int BN, int WG>
@@ -162,6 +254,24 @@ __device__ __forceinline__ float output_value(float v, const float* __restrict__
   if (sx) v = __fdiv_rn(v, sx[m]);
   if (bias) v += bias[n];
   return v;
+}
+
+// A warp's wgmma accumulators to y (or to this split's fp32 partial): accumulator j of lane (g, t) is row n_lo (the
+// warp's row 16 w + g) + 8 for j % 4 >= 2, token m_lo (2 t past the block's first) + 8 (j / 4) + j % 2.
+template <typename T, int BN>
+__device__ __forceinline__ void store_acc(const float (&acc)[BN / 2], int n_lo, int m_lo,
+                                          const float* __restrict__ scale, const float* __restrict__ bias,
+                                          const float* __restrict__ sx, T* __restrict__ y, float* __restrict__ part,
+                                          int M, int N) {
+#pragma unroll
+  for (int j = 0; j < BN / 2; ++j) {
+    const int n = n_lo + 8 * ((j >> 1) & 1), m = m_lo + 8 * (j >> 2) + (j & 1);
+    if (n >= N || m >= M) continue;
+    if (part)
+      part[((int64_t)blockIdx.z * M + m) * N + n] = acc[j];
+    else
+      y[(int64_t)m * N + n] = from_f<T>(output_value(acc[j], scale, sx, bias, m, n));
+  }
 }
 
 template <typename T, int BN, int WG, int STAGES, bool GROUP>
@@ -252,15 +362,121 @@ gemm_kernel(const T* __restrict__ xs, int Kp, const uint4* __restrict__ tiles, c
 #pragma unroll
   for (int j = 0; j < BN / 2; ++j) pin(acc[j]);  // the loop waited for every chunk's MMAs
 
-  // Accumulator j of lane (g, t) in warp w: row 16 w + g (+ 8 for j % 4 >= 2), token 8 (j / 4) + 2 t + j % 2.
+  store_acc<T, BN>(acc, n_lo, m0 + 2 * t, GROUP ? nullptr : scale, bias, sx, y, part, M, N);
+#else
+  __trap();  // built for another target than sm_90a: the host refuses before launching
+#endif
+}
+
+// Warp-specialized GEMM, A through shared memory: a producer warpgroup decodes the block's tiles into wgmma's A
+// layout (a lane's decoded registers are the mma fragment stmatrix stores: rows of 128 bytes, the 128-byte
+// swizzle) and has the bulk copy engine bring x's matching half-chunk (stage_x_blocked_kernel) beside them; CWG
+// consumer warpgroups (64 rows each) issue the MMAs from shared memory with the previous stage's still in flight.
+// A stage is a 64-input half of a chunk; full / empty mbarriers a stage hand it between the two sides.
+template <int BN, int CWG>
+struct WsStage {
+  static constexpr int A = 64 * CWG * 128, X = BN * 128, BYTES = A + X;
+  static_assert(BN % 64 == 0 && BYTES % 1024 == 0, "stages must keep the 1024-byte alignment of the swizzle");
+};
+
+template <int BN, int CWG, int STAGES>
+constexpr int ws_smem_bytes() {
+  return STAGES * WsStage<BN, CWG>::BYTES + 16 * STAGES + 1024;  // + the mbarriers, the alignment
+}
+
+template <typename T, int BN, int CWG, int STAGES>
+__global__ void __launch_bounds__(128 * (CWG + 1), 1)
+gemm_ws_kernel(const T* __restrict__ xb, const uint4* __restrict__ tiles, const float* __restrict__ scale,
+               const float* __restrict__ bias, const float* __restrict__ sx, T* __restrict__ y,
+               float* __restrict__ part, int M, int N, int NT, int KC, int per_split) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using S = WsStage<BN, CWG>;
+  constexpr int TPW = CWG, D = 8 / CWG;  // tiles a producer warp decodes a chunk; chunks of its tiles in flight
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t base = smem_addr(smem), full = base + STAGES * S::BYTES, empty = full + 8 * STAGES;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int nt0 = blockIdx.x * 4 * CWG, mb = blockIdx.y;
+  const int c0 = blockIdx.z * per_split, nch = min(KC, c0 + per_split) - c0;
+  if (tid == 0) {
+    for (int st = 0; st < STAGES; ++st) {
+      mbar_init(full + 8 * st, 128 + 1);  // the producer's threads, and the arrival that expects x's bytes
+      mbar_init(empty + 8 * st, 128 * CWG);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == CWG) {  // the producer
+    // stmatrix: lanes 8 i .. 8 i + 7 give the rows of matrix i (a0 .. a3: rows + 8 for odd i, inputs + 8 for i >= 2)
+    const int pw = warp & 3, r = lane & 7, hi = lane >> 4;
+    uint32_t row_off[TPW];
 #pragma unroll
-  for (int j = 0; j < BN / 2; ++j) {
-    const int n = n_lo + 8 * ((j >> 1) & 1), m = m0 + 8 * (j >> 2) + 2 * t + (j & 1);
-    if (n >= N || m >= M) continue;
-    if (part)
-      part[((int64_t)blockIdx.z * M + m) * N + n] = acc[j];
-    else
-      y[(int64_t)m * N + n] = from_f<T>(output_value(acc[j], GROUP ? nullptr : scale, sx, bias, m, n));
+    for (int jj = 0; jj < TPW; ++jj) row_off[jj] = (16 * (pw + 4 * jj) + r + 8 * ((lane >> 3) & 1)) * 128;
+    auto load = [&](int i, uint4(&dst)[TPW]) {
+#pragma unroll
+      for (int jj = 0; jj < TPW; ++jj) {
+        const int nt = nt0 + pw + 4 * jj;
+        dst[jj] = i < nch && nt < NT ? __ldg(tiles + ((int64_t)nt * KC + c0 + i) * 32 + lane) : make_uint4(0, 0, 0, 0);
+      }
+    };
+    uint4 q[D][TPW];
+#pragma unroll
+    for (int d = 0; d < D; ++d) load(d, q[d]);
+    const T* xsrc = xb + ((int64_t)mb * KC + c0) * 2 * BN * 64;
+    for (int i0 = 0; i0 < nch; i0 += D) {
+#pragma unroll
+      for (int d = 0; d < D; ++d) {
+        const int i = i0 + d;
+        if (i >= nch) break;
+        uint4 cur[TPW];
+#pragma unroll
+        for (int jj = 0; jj < TPW; ++jj) cur[jj] = q[d][jj];
+        load(i + D, q[d]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int u = 2 * i + h, st = u % STAGES;
+          if (u >= STAGES) mbar_wait(empty + 8 * st, (u / STAGES - 1) & 1);
+          const uint32_t sa = base + st * S::BYTES;
+          if (tid == 128 * CWG) {
+            mbar_arrive_expect_tx(full + 8 * st, S::X);
+            bulk_copy(sa + S::A, xsrc + (int64_t)u * BN * 64, S::X, full + 8 * st);
+          }
+#pragma unroll
+          for (int jj = 0; jj < TPW; ++jj) {
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+              uint32_t a0, a1, a2, a3;
+              parity::tile_a(cur[jj], 4 * h + ks, a0, a1, a2, a3);
+              stmatrix4(sa + row_off[jj] + (((2 * ks + hi) ^ r) << 4), a0, a1, a2, a3);
+            }
+          }
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // stmatrix wrote what wgmma reads
+          mbar_arrive(full + 8 * st);
+        }
+      }
+    }
+  } else {  // a consumer: rows 64 wg .. of the block
+    float acc[BN / 2];
+#pragma unroll
+    for (int j = 0; j < BN / 2; ++j) acc[j] = 0.f;
+    for (int u = 0; u < 2 * nch; ++u) {
+      const int st = u % STAGES;
+      mbar_wait(full + 8 * st, (u / STAGES) & 1);
+      const uint32_t sa = base + st * S::BYTES;
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+        WgmmaSS<T, BN>::run(acc, swizzle128_desc(sa + wg * 64 * 128 + ks * 32), swizzle128_desc(sa + S::A + ks * 32));
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous stage's MMAs are done: hand it back
+      if (u > 0) mbar_arrive(empty + 8 * ((u - 1) % STAGES));
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < BN / 2; ++j) pin(acc[j]);
+    const int g = lane >> 2, t = lane & 3;
+    store_acc<T, BN>(acc, (nt0 + 4 * wg + (warp & 3)) * TILE_N + g, mb * BN + 2 * t, scale, bias, sx, y, part, M, N);
   }
 #else
   __trap();  // built for another target than sm_90a: the host refuses before launching
@@ -314,11 +530,37 @@ void dispatch_gemm(int bn, int wg, int stages, bool group, const T* xs, int Kp, 
               group ? " with group scales" : "");
 }
 
+template <typename T, int BN, int CWG, int STAGES>
+void launch_gemm_ws(const T* xb, const torch::Tensor& tiles, const float* scale, const float* bias, const float* sx,
+                    T* y, float* part, int M, int N, int splits, int per_split, cudaStream_t stream) {
+  const int NT = tiles.size(0), KC = tiles.size(1);
+  constexpr int smem = ws_smem_bytes<BN, CWG, STAGES>();
+  auto kern = gemm_ws_kernel<T, BN, CWG, STAGES>;
+  parity::set_smem(kern, smem);
+  dim3 grid((NT + 4 * CWG - 1) / (4 * CWG), (M + BN - 1) / BN, splits);
+  kern<<<grid, 128 * (CWG + 1), smem, stream>>>(xb, reinterpret_cast<const uint4*>(tiles.data_ptr<int32_t>()), scale,
+                                                 bias, sx, y, part, M, N, NT, KC, per_split);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void dispatch_gemm_ws(int bn, int wg, int stages, const T* xb, const torch::Tensor& tiles, const float* scale,
+                      const float* bias, const float* sx, T* y, float* part, int M, int N, int splits, int per_split,
+                      cudaStream_t stream) {
+#define PARITY_GEMM_WS(BN_, WG_, ST_)                                                                            \
+  if (bn == BN_ && wg == WG_ && stages == ST_)                                                                 \
+    return launch_gemm_ws<T, BN_, WG_, ST_>(xb, tiles, scale, bias, sx, y, part, M, N, splits, per_split, stream);
+  // 192 KB of stages each: one block (a producer and wg consumer warpgroups) a multiprocessor.
+  PARITY_GEMM_WS(64, 2, 8) PARITY_GEMM_WS(128, 2, 6) PARITY_GEMM_WS(256, 2, 4) PARITY_GEMM_WS(128, 4, 4)
+#undef PARITY_GEMM_WS
+  TORCH_CHECK(false, "ternary gemm (warp-specialized): no instance for bn=", bn, " wg=", wg, " stages=", stages);
+}
+
 // The GEMM on the tiles with an explicit launch: bn tokens and wg warpgroups (64 wg rows) a block, stages of
 // the shared-memory pipeline, K split across split blocks.
 torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scale,
                            const c10::optional<torch::Tensor>& bias, int64_t n, int64_t k, int64_t group_size,
-                           bool act_quant, int64_t bn, int64_t wg, int64_t stages, int64_t split) {
+                           bool act_quant, int64_t bn, int64_t wg, int64_t stages, int64_t split, bool ws) {
   TORCH_CHECK(x.is_cuda() && tiles.is_cuda() && scale.is_cuda(), "ternary gemm needs CUDA tensors");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "ternary gemm: x must be (M, K=", k, "), got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == torch::kFloat16 || x.scalar_type() == torch::kBFloat16,
@@ -333,6 +575,7 @@ torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& tiles, c
               "ternary gemm: group size ", group_size, " (a multiple of ", TILE_K, ", or 0) and scale ",
               scale.sizes(), " do not match K=", k);
   TORCH_CHECK(split >= 1, "ternary gemm: split must be >= 1");
+  TORCH_CHECK(!(ws && group), "ternary gemm: the warp-specialized kernel takes one scale a row, not group scales");
   const c10::cuda::CUDAGuard guard(x.device());
   const parity::DeviceInfo dev = parity::device_info(x.get_device());
   TORCH_CHECK(dev.major == 9 && dev.minor == 0, "ternary gemm needs compute capability 9.0 (wgmma: the sm_90a build)");
@@ -342,7 +585,8 @@ torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& tiles, c
   auto stream = c10::cuda::getCurrentCUDAStream();
   torch::Tensor bias_f = bias.has_value() ? bias->to(torch::kFloat32).contiguous() : torch::Tensor();
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  auto xs = torch::empty({M, Kp}, x.options());
+  const int Mp = ws ? (int)((M + bn - 1) / bn * bn) : M;  // the blocked copy holds whole blocks of tokens
+  auto xs = torch::empty({Mp, Kp}, x.options());
   torch::Tensor sxt = act_quant ? torch::empty({M}, x.options().dtype(torch::kFloat32)) : torch::Tensor();
   float* sxp = act_quant ? sxt.data_ptr<float>() : nullptr;
   const int per_split = (int)((KC + split - 1) / split), splits = (KC + per_split - 1) / per_split;
@@ -355,13 +599,25 @@ torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& tiles, c
     T* xsp = reinterpret_cast<T*>(xs.data_ptr());
     T* yp = reinterpret_cast<T*>(y.data_ptr());
     const bool vec = x.stride(1) == 1 && x.stride(0) % 8 == 0 && (reinterpret_cast<uintptr_t>(xp) & 15) == 0;
-    if (act_quant)
-      stage_x_kernel<T, true><<<M, 256, 0, stream>>>(xp, x.stride(0), x.stride(1), xsp, sxp, K, Kp, vec);
-    else
-      stage_x_kernel<T, false><<<M, 256, 0, stream>>>(xp, x.stride(0), x.stride(1), xsp, sxp, K, Kp, vec);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    dispatch_gemm<T>((int)bn, (int)wg, (int)stages, group, xsp, Kp, tiles, sp, bp, sxp, yp, pp, M, N,
-                     (int)scale.size(1), group ? (int)group_size : 1, splits, per_split, stream);
+    if (ws) {
+      if (act_quant)
+        stage_x_blocked_kernel<T, true><<<Mp, 256, 0, stream>>>(xp, x.stride(0), x.stride(1), xsp, sxp, M, K, KC,
+                                                                 (int)bn, vec);
+      else
+        stage_x_blocked_kernel<T, false><<<Mp, 256, 0, stream>>>(xp, x.stride(0), x.stride(1), xsp, sxp, M, K, KC,
+                                                                  (int)bn, vec);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      dispatch_gemm_ws<T>((int)bn, (int)wg, (int)stages, xsp, tiles, sp, bp, sxp, yp, pp, M, N, splits, per_split,
+                          stream);
+    } else {
+      if (act_quant)
+        stage_x_kernel<T, true><<<M, 256, 0, stream>>>(xp, x.stride(0), x.stride(1), xsp, sxp, K, Kp, vec);
+      else
+        stage_x_kernel<T, false><<<M, 256, 0, stream>>>(xp, x.stride(0), x.stride(1), xsp, sxp, K, Kp, vec);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      dispatch_gemm<T>((int)bn, (int)wg, (int)stages, group, xsp, Kp, tiles, sp, bp, sxp, yp, pp, M, N,
+                       (int)scale.size(1), group ? (int)group_size : 1, splits, per_split, stream);
+    }
     if (splits > 1) {
       const int64_t total = (int64_t)M * N;
       finish_kernel<T><<<(unsigned)((total + 255) / 256), 256, 0, stream>>>(pp, splits, group ? nullptr : sp, bp,
@@ -376,19 +632,27 @@ torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& tiles, c
   return y;
 }
 
-// The launch the op chooses (kernels/ternary_cuda.gemm_config is the same rule; a GPU test compares them): up to
-// 64 tokens blocks of 64 tokens x 256 rows (x 128 with group scales), above 128 x 128; K split in two until the
-// grid would pass the blocks a multiprocessor holds (2 of 128 x 128 without group scales, else 1), at most 8
-// ways and 8 chunks a split. From the H200 sweep in benchmarks/NOTES.md.
+// The launch the op chooses (kernels/ternary_cuda.gemm_config is the same rule; a GPU test compares them): one
+// scale a row from WS_MIN_M tokens the warp-specialized kernel, blocks of 128 tokens x 128 rows up to 128 tokens,
+// above 256 x 128; else up to 64 tokens blocks of 64 tokens x 256 rows (x 128 with group scales), above 128 x 128.
+// K split in two until the grid would pass the blocks a multiprocessor holds (2 of the register-A kernel's
+// 128 x 128 without group scales, else 1), at most 8 ways and 8 chunks a split. From the sweeps in
+// benchmarks/NOTES.md.
+constexpr int64_t WS_MIN_M = 128;
 std::vector<int64_t> gemm_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size) {
   const int count = parity::device_info(c10::cuda::current_device()).sms;
-  const bool group = group_size > 0;
-  const int64_t bn = m <= 64 ? 64 : 128, wg = m <= 64 ? (group ? 2 : 4) : 2, stages = m <= 64 ? 4 : 3;
-  const int64_t per_sm = wg == 2 && bn == 128 && !group ? 2 : 1;
+  const bool group = group_size > 0, ws = !group && m >= WS_MIN_M;
+  int64_t bn, wg, stages;
+  if (ws) {
+    bn = m <= 128 ? 128 : 256, wg = 2, stages = m <= 128 ? 6 : 4;
+  } else {
+    bn = m <= 64 ? 64 : 128, wg = m <= 64 ? (group ? 2 : 4) : 2, stages = m <= 64 ? 4 : 3;
+  }
+  const int64_t per_sm = wg == 2 && bn == 128 && !group && !ws ? 2 : 1;
   const int64_t blocks = ((n + 64 * wg - 1) / (64 * wg)) * ((m + bn - 1) / bn), kc = (k + TILE_K - 1) / TILE_K;
   int64_t split = 1;
   while (split < 8 && blocks * split * 2 <= per_sm * count && kc / (split * 2) >= 8) split *= 2;
-  return {bn, wg, stages, split};
+  return {bn, wg, stages, split, ws ? 1 : 0};
 }
 
 // x (..., K) through the GEMM with the launch chosen here.
@@ -399,7 +663,7 @@ torch::Tensor gemm_op(const torch::Tensor& x, const torch::Tensor& tiles, const 
   const torch::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, k});
   const c10::cuda::CUDAGuard guard(x.device());
   const std::vector<int64_t> c = gemm_auto_config(x2.size(0), n, k, group_size);
-  torch::Tensor y = ternary_gemm(x2, tiles, scale, bias, n, k, group_size, act_quant, c[0], c[1], c[2], c[3]);
+  torch::Tensor y = ternary_gemm(x2, tiles, scale, bias, n, k, group_size, act_quant, c[0], c[1], c[2], c[3], c[4]);
   if (x.dim() == 2) return y;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(n);
@@ -417,12 +681,12 @@ TORCH_LIBRARY_FRAGMENT(parity_ternary, m) {
 TORCH_LIBRARY_IMPL(parity_ternary, CUDA, m) { m.impl("gemm", &gemm_op); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemm_auto_config", &gemm_auto_config, "(bn, wg, stages, split) the op chooses", py::arg("m"),
+  m.def("gemm_auto_config", &gemm_auto_config, "(bn, wg, stages, split, ws) the op chooses", py::arg("m"),
         py::arg("n"), py::arg("k"), py::arg("group_size"));
   m.def("gemm", &ternary_gemm, "ternary GEMM on the tiled layout (wgmma, sm_90a)", py::arg("x"), py::arg("tiles"),
         py::arg("scale"), py::arg("bias"), py::arg("n"), py::arg("k"), py::arg("group_size"), py::arg("act_quant"),
         py::arg("bn"),
-        py::arg("wg"), py::arg("stages"), py::arg("split"));
+        py::arg("wg"), py::arg("stages"), py::arg("split"), py::arg("ws") = false);
   m.def("tile_pos", [](int r) { return tile_pos(r); }, "where input r of a chunk sits in the tiles' k order",
         py::arg("r"));
 }
