@@ -232,11 +232,9 @@ def tile_order(k: int) -> torch.Tensor:
 GEMM_INSTANCES = ((64, 1, 4), (64, 1, 6), (64, 2, 4), (64, 4, 4), (128, 1, 3), (128, 2, 3), (128, 2, 4), (128, 4, 3),
                   (128, 4, 4))
 GEMM_GROUP_INSTANCES = ((64, 1, 4), (64, 2, 4), (128, 2, 3))  # with group scales
-# the warp-specialized kernel (``ws``: A through shared memory, a producer and wg consumer warpgroups), no group scales
-GEMM_WS_INSTANCES = ((64, 2, 8), (128, 2, 6), (256, 2, 4), (128, 4, 4))
-
-
-# From GEMM_WS_MIN_M tokens, one scale a row: the warp-specialized kernel (benchmarks/NOTES.md).
+# the warp-specialized kernel (``ws``: A through shared memory, a producer and wg consumer warpgroups), no group
+# scales; it serves one scale a row from GEMM_WS_MIN_M tokens (benchmarks/NOTES.md)
+GEMM_WS_INSTANCES = ((128, 2, 6), (256, 2, 4))
 GEMM_WS_MIN_M = 128
 
 

@@ -183,8 +183,6 @@ template <typename T, int N> struct WgmmaSS;
     }                                                                                                         \
   };
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-PARITY_WGMMA_SS(__half, "f16", 64, PARITY_R32, PARITY_D32, 32, 33)
-PARITY_WGMMA_SS(__nv_bfloat16, "bf16", 64, PARITY_R32, PARITY_D32, 32, 33)
 PARITY_WGMMA_SS(__half, "f16", 128, PARITY_R64, PARITY_D64, 64, 65)
 PARITY_WGMMA_SS(__nv_bfloat16, "bf16", 128, PARITY_R64, PARITY_D64, 64, 65)
 PARITY_WGMMA_SS(__half, "f16", 256, PARITY_R128, PARITY_D128, 128, 129)
@@ -550,8 +548,8 @@ void dispatch_gemm_ws(int bn, int wg, int stages, const T* xb, const torch::Tens
 #define PARITY_GEMM_WS(BN_, WG_, ST_)                                                                            \
   if (bn == BN_ && wg == WG_ && stages == ST_)                                                                 \
     return launch_gemm_ws<T, BN_, WG_, ST_>(xb, tiles, scale, bias, sx, y, part, M, N, splits, per_split, stream);
-  // 192 KB of stages each: one block (a producer and wg consumer warpgroups) a multiprocessor.
-  PARITY_GEMM_WS(64, 2, 8) PARITY_GEMM_WS(128, 2, 6) PARITY_GEMM_WS(256, 2, 4) PARITY_GEMM_WS(128, 4, 4)
+  // 192 KB of stages each: one block (a producer and 2 consumer warpgroups) a multiprocessor.
+  PARITY_GEMM_WS(128, 2, 6) PARITY_GEMM_WS(256, 2, 4)
 #undef PARITY_GEMM_WS
   TORCH_CHECK(false, "ternary gemm (warp-specialized): no instance for bn=", bn, " wg=", wg, " stages=", stages);
 }
