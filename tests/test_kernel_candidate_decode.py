@@ -96,8 +96,8 @@ def test_kernel_choice_follows_the_kernel_linear(monkeypatch):
 
 
 def test_recorded_kernel_of_a_tiled_ternary_linear_is_the_gemm_where_it_runs(monkeypatch):
-    """A kernel linear holds its tiles on CUDA, and the GEMM on them runs 33..383 rows where it builds: the record
-    names it there, and on both sides of its lower bound."""
+    """A kernel linear holds its tiles on CUDA, and the GEMM on them runs 33..1023 rows where it builds (one scale a
+    row): the record names it there, and on both sides of its bounds."""
     from vllm_parity.harness.kernel_candidate import kernel_for, kernels_of
     from vllm_parity.serving import ternary_cuda
 
@@ -107,8 +107,9 @@ def test_recorded_kernel_of_a_tiled_ternary_linear_is_the_gemm_where_it_runs(mon
     monkeypatch.setattr(ternary_cuda, "available", lambda: True)
     monkeypatch.setattr(ternary_cuda, "gemm_supported", lambda: True)
     cuda = torch.device("cuda")
-    assert [kernel_for(q, m, torch.bfloat16, cuda) for m in (32, 33, 383, 384)] == \
-        ["cuda_mma", "cuda_gemm", "cuda_gemm", "cuda_dequant"]
+    assert q.native.group_size == 0
+    assert [kernel_for(q, m, torch.bfloat16, cuda) for m in (32, 33, 384, 1023, 1024)] == \
+        ["cuda_mma", "cuda_gemm", "cuda_gemm", "cuda_gemm", "cuda_dequant"]
     assert kernels_of(q, torch.bfloat16, cuda) == ["cuda_mma", "cuda_gemm", "cuda_dequant"]
 
 
