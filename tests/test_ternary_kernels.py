@@ -571,6 +571,12 @@ def _mma_emulated(nt: int, kc: int, x: torch.Tensor, word_pair, ck: int = 128) -
     return y / 2.0
 
 
+def _decoded(word: int, pair: int, half: int) -> float:
+    """The kernel's decode of one field of a register: pair's field on bits 14..15 of the half, read as +-2.0 / 0."""
+    f = (word >> (2 * pair + 16 * half)) & 3
+    return 2.0 * (f & 1) * (1 - (f & 2))
+
+
 def _a_fragment(word_pair, tile: int, c: int, step: int) -> torch.Tensor:
     """The 16 x 16 A operand of one k16 step as the lanes' registers hold it (PTX mma.m16n8k16, and each warp's
     share of wgmma m64nNk16): lane 4 g + t, register r at row g + 8 (r % 2), columns 2 t + 8 (r // 2), + 1."""
@@ -581,9 +587,7 @@ def _a_fragment(word_pair, tile: int, c: int, step: int) -> torch.Tensor:
             word, pair = word_pair(tile, c, lane, step, reg)
             row, col = g + 8 * (reg % 2), 2 * t + 8 * (reg // 2)
             for half in range(2):
-                # the kernel's decode: field on bits 14..15 of the half, read as +-2.0 / 0
-                f = (word >> (2 * pair + 16 * half)) & 3
-                a[row, col + half] = 2.0 * (f & 1) * (1 - (f & 2))
+                a[row, col + half] = _decoded(word, pair, half)
     return a
 
 
@@ -684,8 +688,7 @@ def test_ws_shared_layouts_feed_wgmma(n, k, m, bn):
                         addr = row * 64 + (((2 * ks + (lane >> 4)) ^ r) * 8)  # row_off + ((2 ks + hi) ^ r) << 4
                         for col in range(8):  # element (r, col) of matrix i: lane 4 r + col / 2, register i
                             word, pair = word_pair(tile, c, 4 * r + col // 2, step, i)
-                            f = (word >> (2 * pair + 16 * (col % 2))) & 3
-                            buf[addr + col] = 2.0 * (f & 1) * (1 - (f & 2))
+                            buf[addr + col] = _decoded(word, pair, col % 2)
                 for row in range(16):
                     for kk in range(64):
                         a_half[16 * tile + row, kk] = buf[at(row, kk)]
