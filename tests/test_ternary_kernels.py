@@ -664,7 +664,7 @@ def _swizzled(rows: int) -> tuple[torch.Tensor, callable]:
 def test_ws_shared_layouts_feed_wgmma(n, k, m, bn):
     """The warp-specialized GEMM's shared memory, emulated: the producer's stmatrix of each lane's decoded tile
     registers (lanes 8 i .. 8 i + 7 address matrix i's rows, register i of lane 4 r + c / 2 is its element (r, c))
-    and the blocked copy of x (stage_x_blocked_kernel), both read back through the swizzle as wgmma reads them,
+    and the blocked copy of x (stage_x_kernel with BN > 0), both read back through the swizzle as wgmma reads them,
     give x @ W^T."""
     gen = torch.Generator().manual_seed(n + k + m)
     values = torch.randint(-1, 2, (n, k), generator=gen)

@@ -61,36 +61,16 @@ __device__ __forceinline__ void load_x8(const T* __restrict__ row, int64_t sxk, 
   }
 }
 
-// x (M, K) (any strides) to xs (M, Kp) in the tiles' k order, zeros past K; with QUANT the per-token int8
-// levels (in x's dtype) and their scales sx. One block per token, a thread per 8 inputs, stored as 4 pairs: a pair
-// stays adjacent (tile_pos(r + 1) = tile_pos(r) + 1, r even).
+// x (M, K) (any strides) to xs in the tiles' k order, zeros past K; with QUANT the per-token int8 levels (in x's
+// dtype) and their scales sx. BN = 0: xs (M, 128 KC), input 128 c + r of a token at 128 c + tile_pos(r). BN > 0, the
+// warp-specialized GEMM's layout: per block of BN tokens and 64-input half of a chunk, the BN x 128 bytes wgmma reads
+// with the 128-byte swizzle (row r's 16-byte vector q at (q ^ (r % 8)) * 16), contiguous so one bulk copy fills a
+// stage; tokens past M are zeros. One block a token (of M rounded up to BN), a thread per 8 inputs, stored as 4 pairs:
+// a pair stays adjacent (tile_pos(r + 1) = tile_pos(r) + 1, r even).
 template <typename T, bool QUANT>
 __global__ void stage_x_kernel(const T* __restrict__ x, int64_t sxm, int64_t sxk, T* __restrict__ xs,
-                               float* __restrict__ sx, int K, int Kp, bool vec) {
-  const int m = blockIdx.x;
-  const T* row = x + (int64_t)m * sxm;
-  float s = 1.f;
-  if (QUANT) s = parity::row_quant_scale(row, sxk, K);
-  T* out = xs + (int64_t)m * Kp;
-  for (int k0 = 8 * threadIdx.x; k0 < Kp; k0 += 8 * blockDim.x) {
-    __align__(16) T v[8];
-    load_x8<T, QUANT>(row, sxk, k0, K, vec, s, v);
-    T* chunk = out + (k0 & ~127);
-#pragma unroll
-    for (int e = 0; e < 8; e += 2)
-      *reinterpret_cast<uint32_t*>(chunk + tile_pos((k0 + e) & 127)) = *reinterpret_cast<const uint32_t*>(v + e);
-  }
-  if (QUANT && threadIdx.x == 0) sx[m] = s;
-}
-
-// x (M, K) (any strides) to xb for the warp-specialized GEMM: per block of BN tokens and 64-input half of a chunk,
-// the BN x 128 bytes wgmma reads with the 128-byte swizzle (row r's 16-byte vector q at (q ^ (r % 8)) * 16), in
-// the tiles' k order, contiguous so one bulk copy fills a stage; tokens past M and inputs past K are zeros. Grid:
-// one block a token of Mp (M rounded up to BN).
-template <typename T, bool QUANT>
-__global__ void stage_x_blocked_kernel(const T* __restrict__ x, int64_t sxm, int64_t sxk, T* __restrict__ xb,
-                                       float* __restrict__ sx, int M, int K, int KC, int BN, bool vec) {
-  const int m = blockIdx.x, mb = m / BN, r = m % BN, Kp = KC * TILE_K;
+                               float* __restrict__ sx, int M, int K, int KC, int BN, bool vec) {
+  const int m = blockIdx.x, Kp = KC * TILE_K;
   const bool live = m < M;
   const T* row = x + (int64_t)min(m, M - 1) * sxm;
   float s = 1.f;
@@ -101,10 +81,15 @@ __global__ void stage_x_blocked_kernel(const T* __restrict__ x, int64_t sxm, int
     const int c = k0 >> 7;
 #pragma unroll
     for (int e = 0; e < 8; e += 2) {
-      const int p = tile_pos((k0 + e) & 127), q = (p & 63) >> 3;
-      T* half = xb + (((int64_t)mb * KC + c) * 2 + (p >> 6)) * BN * 64;
-      *reinterpret_cast<uint32_t*>(half + r * 64 + ((q ^ (r & 7)) << 3) + (p & 7)) =
-          *reinterpret_cast<const uint32_t*>(v + e);
+      const int p = tile_pos((k0 + e) & 127);
+      T* dst;
+      if (BN == 0) {
+        dst = xs + (int64_t)m * Kp + TILE_K * c + p;
+      } else {
+        const int r = m % BN, q = (p & 63) >> 3;
+        dst = xs + (((int64_t)(m / BN) * KC + c) * 2 + (p >> 6)) * BN * 64 + r * 64 + ((q ^ (r & 7)) << 3) + (p & 7);
+      }
+      *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(v + e);
     }
   }
   if (QUANT && live && threadIdx.x == 0) sx[m] = s;
@@ -368,7 +353,7 @@ gemm_kernel(const T* __restrict__ xs, int Kp, const uint4* __restrict__ tiles, c
 
 // Warp-specialized GEMM, A through shared memory: a producer warpgroup decodes the block's tiles into wgmma's A
 // layout (a lane's decoded registers are the mma fragment stmatrix stores: rows of 128 bytes, the 128-byte
-// swizzle) and has the bulk copy engine bring x's matching half-chunk (stage_x_blocked_kernel) beside them; CWG
+// swizzle) and has the bulk copy engine bring x's matching half-chunk (stage_x_kernel) beside them; CWG
 // consumer warpgroups (64 rows each) issue the MMAs from shared memory with the previous stage's still in flight.
 // A stage is a 64-input half of a chunk; full / empty mbarriers a stage hand it between the two sides.
 template <int BN, int CWG>
@@ -597,25 +582,18 @@ torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& tiles, c
     T* xsp = reinterpret_cast<T*>(xs.data_ptr());
     T* yp = reinterpret_cast<T*>(y.data_ptr());
     const bool vec = x.stride(1) == 1 && x.stride(0) % 8 == 0 && (reinterpret_cast<uintptr_t>(xp) & 15) == 0;
-    if (ws) {
-      if (act_quant)
-        stage_x_blocked_kernel<T, true><<<Mp, 256, 0, stream>>>(xp, x.stride(0), x.stride(1), xsp, sxp, M, K, KC,
-                                                                 (int)bn, vec);
-      else
-        stage_x_blocked_kernel<T, false><<<Mp, 256, 0, stream>>>(xp, x.stride(0), x.stride(1), xsp, sxp, M, K, KC,
-                                                                  (int)bn, vec);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const int sbn = ws ? (int)bn : 0;  // the blocked layout for ws
+    if (act_quant)
+      stage_x_kernel<T, true><<<Mp, 256, 0, stream>>>(xp, x.stride(0), x.stride(1), xsp, sxp, M, K, KC, sbn, vec);
+    else
+      stage_x_kernel<T, false><<<Mp, 256, 0, stream>>>(xp, x.stride(0), x.stride(1), xsp, sxp, M, K, KC, sbn, vec);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (ws)
       dispatch_gemm_ws<T>((int)bn, (int)wg, (int)stages, xsp, tiles, sp, bp, sxp, yp, pp, M, N, splits, per_split,
                           stream);
-    } else {
-      if (act_quant)
-        stage_x_kernel<T, true><<<M, 256, 0, stream>>>(xp, x.stride(0), x.stride(1), xsp, sxp, K, Kp, vec);
-      else
-        stage_x_kernel<T, false><<<M, 256, 0, stream>>>(xp, x.stride(0), x.stride(1), xsp, sxp, K, Kp, vec);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    else
       dispatch_gemm<T>((int)bn, (int)wg, (int)stages, group, xsp, Kp, tiles, sp, bp, sxp, yp, pp, M, N,
                        (int)scale.size(1), group ? (int)group_size : 1, splits, per_split, stream);
-    }
     if (splits > 1) {
       const int64_t total = (int64_t)M * N;
       finish_kernel<T><<<(unsigned)((total + 255) / 256), 256, 0, stream>>>(pp, splits, group ? nullptr : sp, bp,
