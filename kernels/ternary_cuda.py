@@ -233,8 +233,9 @@ GEMM_INSTANCES = ((64, 1, 4), (64, 1, 6), (64, 2, 4), (64, 4, 4), (128, 1, 3), (
                   (128, 4, 4))
 GEMM_GROUP_INSTANCES = ((64, 1, 4), (64, 2, 4), (128, 2, 3))  # with group scales
 # the warp-specialized kernel (``ws``: A through shared memory, a producer and wg consumer warpgroups), no group
-# scales; it serves one scale a row from GEMM_WS_MIN_M tokens (benchmarks/NOTES.md)
-GEMM_WS_INSTANCES = ((128, 2, 6), (256, 2, 4))
+# scales, its stages whole 128-input chunks at 128 tokens and halves at 256; it serves one scale a row from
+# GEMM_WS_MIN_M tokens (benchmarks/NOTES.md)
+GEMM_WS_INSTANCES = ((128, 2, 3), (256, 2, 4))
 GEMM_WS_MIN_M = 128
 
 
@@ -248,7 +249,7 @@ def gemm_config(m: int, n: int, k: int, group_size: int = 0, ws: bool | None = N
     kernel's launch whatever M (benchmarks compare the two)."""
     ws = not group_size and m >= GEMM_WS_MIN_M and ws is not False
     if ws:
-        bn, wg, stages = (128, 2, 6) if m <= 128 else (256, 2, 4)
+        bn, wg, stages = (128, 2, 3) if m <= 128 else (256, 2, 4)
     else:
         bn, wg, stages = (64, 2 if group_size else 4, 4) if m <= 64 else (128, 2, 3)
     per_sm = 2 if (bn, wg) == (128, 2) and not group_size and not ws else 1

@@ -1207,7 +1207,7 @@ def test_gpu_gemm_in_cuda_graph_and_nan(split, ws):
     built = build(case, "cuda")
     nat = built["native"].with_tiles()
     x = built["x"].clone()
-    cfg = dict(bn=128, wg=2, stages=6 if ws else 3, split=split, ws=ws)
+    cfg = dict(bn=128, wg=2, stages=3, split=split, ws=ws)
 
     def run():
         return (ternary_cuda.linear_gemm(x, nat.tiles, nat.scale, built["bias"], nat.n, nat.k, 0, False, config=cfg),)

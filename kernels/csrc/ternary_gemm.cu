@@ -353,27 +353,28 @@ gemm_kernel(const T* __restrict__ xs, int Kp, const uint4* __restrict__ tiles, c
 
 // Warp-specialized GEMM, A through shared memory: a producer warpgroup decodes the block's tiles into wgmma's A
 // layout (a lane's decoded registers are the mma fragment stmatrix stores: rows of 128 bytes, the 128-byte
-// swizzle) and has the bulk copy engine bring x's matching half-chunk (stage_x_kernel) beside them; CWG
+// swizzle) and has the bulk copy engine bring x's matching inputs (stage_x_kernel) beside them; CWG
 // consumer warpgroups (64 rows each) issue the MMAs from shared memory with the previous stage's still in flight.
-// A stage is a 64-input half of a chunk; full / empty mbarriers a stage hand it between the two sides.
-template <int BN, int CWG>
+// A stage is HPS 64-input halves of a chunk (two: half the mbarrier round trips, measured faster at 128 tokens),
+// each half its own A and x region; full / empty mbarriers a stage hand it between the two sides.
+template <int BN, int CWG, int HPS>
 struct WsStage {
-  static constexpr int A = 64 * CWG * 128, X = BN * 128, BYTES = A + X;
+  static constexpr int A1 = 64 * CWG * 128, X1 = BN * 128, A = HPS * A1, X = HPS * X1, BYTES = A + X;
   static_assert(BN % 64 == 0 && BYTES % 1024 == 0, "stages must keep the 1024-byte alignment of the swizzle");
 };
 
-template <int BN, int CWG, int STAGES>
+template <int BN, int CWG, int STAGES, int HPS>
 constexpr int ws_smem_bytes() {
-  return STAGES * WsStage<BN, CWG>::BYTES + 16 * STAGES + 1024;  // + the mbarriers, the alignment
+  return STAGES * WsStage<BN, CWG, HPS>::BYTES + 16 * STAGES + 1024;  // + the mbarriers, the alignment
 }
 
-template <typename T, int BN, int CWG, int STAGES>
+template <typename T, int BN, int CWG, int STAGES, int HPS>
 __global__ void __launch_bounds__(128 * (CWG + 1), 1)
 gemm_ws_kernel(const T* __restrict__ xb, const uint4* __restrict__ tiles, const float* __restrict__ scale,
                const float* __restrict__ bias, const float* __restrict__ sx, T* __restrict__ y,
                float* __restrict__ part, int M, int N, int NT, int KC, int per_split) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using S = WsStage<BN, CWG>;
+  using S = WsStage<BN, CWG, HPS>;
   constexpr int TPW = CWG, D = 8 / CWG;  // tiles a producer warp decodes a chunk; chunks of its tiles in flight
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -418,12 +419,12 @@ gemm_ws_kernel(const T* __restrict__ xb, const uint4* __restrict__ tiles, const 
         load(i + D, q[d]);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int u = 2 * i + h, st = u % STAGES;
-          if (u >= STAGES) mbar_wait(empty + 8 * st, (u / STAGES - 1) & 1);
+          const int hu = 2 * i + h, u = hu / HPS, hh = hu % HPS, st = u % STAGES;  // half hu: half hh of stage u
+          if (hh == 0 && u >= STAGES) mbar_wait(empty + 8 * st, (u / STAGES - 1) & 1);
           const uint32_t sa = base + st * S::BYTES;
-          if (tid == 128 * CWG) {
+          if (hh == 0 && tid == 128 * CWG) {  // x's halves of a stage are adjacent in xb: one copy
             mbar_arrive_expect_tx(full + 8 * st, S::X);
-            bulk_copy(sa + S::A, xsrc + (int64_t)u * BN * 64, S::X, full + 8 * st);
+            bulk_copy(sa + S::A, xsrc + (int64_t)hu * BN * 64, S::X, full + 8 * st);
           }
 #pragma unroll
           for (int jj = 0; jj < TPW; ++jj) {
@@ -431,11 +432,13 @@ gemm_ws_kernel(const T* __restrict__ xb, const uint4* __restrict__ tiles, const 
             for (int ks = 0; ks < 4; ++ks) {
               uint32_t a0, a1, a2, a3;
               parity::tile_a(cur[jj], 4 * h + ks, a0, a1, a2, a3);
-              stmatrix4(sa + row_off[jj] + (((2 * ks + hi) ^ r) << 4), a0, a1, a2, a3);
+              stmatrix4(sa + hh * S::A1 + row_off[jj] + (((2 * ks + hi) ^ r) << 4), a0, a1, a2, a3);
             }
           }
-          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // stmatrix wrote what wgmma reads
-          mbar_arrive(full + 8 * st);
+          if (hh == HPS - 1) {
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // stmatrix wrote what wgmma reads
+            mbar_arrive(full + 8 * st);
+          }
         }
       }
     }
@@ -443,14 +446,17 @@ gemm_ws_kernel(const T* __restrict__ xb, const uint4* __restrict__ tiles, const 
     float acc[BN / 2];
 #pragma unroll
     for (int j = 0; j < BN / 2; ++j) acc[j] = 0.f;
-    for (int u = 0; u < 2 * nch; ++u) {
+    for (int u = 0; u < 2 * nch / HPS; ++u) {
       const int st = u % STAGES;
       mbar_wait(full + 8 * st, (u / STAGES) & 1);
       const uint32_t sa = base + st * S::BYTES;
       wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-        WgmmaSS<T, BN>::run(acc, swizzle128_desc(sa + wg * 64 * 128 + ks * 32), swizzle128_desc(sa + S::A + ks * 32));
+      for (int hh = 0; hh < HPS; ++hh)
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+          WgmmaSS<T, BN>::run(acc, swizzle128_desc(sa + hh * S::A1 + wg * 64 * 128 + ks * 32),
+                              swizzle128_desc(sa + S::A + hh * S::X1 + ks * 32));
       wgmma_commit();
       wgmma_wait<1>();  // the previous stage's MMAs are done: hand it back
       if (u > 0) mbar_arrive(empty + 8 * ((u - 1) % STAGES));
@@ -513,12 +519,12 @@ void dispatch_gemm(int bn, int wg, int stages, bool group, const T* xs, int Kp, 
               group ? " with group scales" : "");
 }
 
-template <typename T, int BN, int CWG, int STAGES>
+template <typename T, int BN, int CWG, int STAGES, int HPS>
 void launch_gemm_ws(const T* xb, const torch::Tensor& tiles, const float* scale, const float* bias, const float* sx,
                     T* y, float* part, int M, int N, int splits, int per_split, cudaStream_t stream) {
   const int NT = tiles.size(0), KC = tiles.size(1);
-  constexpr int smem = ws_smem_bytes<BN, CWG, STAGES>();
-  auto kern = gemm_ws_kernel<T, BN, CWG, STAGES>;
+  constexpr int smem = ws_smem_bytes<BN, CWG, STAGES, HPS>();
+  auto kern = gemm_ws_kernel<T, BN, CWG, STAGES, HPS>;
   parity::set_smem(kern, smem);
   dim3 grid((NT + 4 * CWG - 1) / (4 * CWG), (M + BN - 1) / BN, splits);
   kern<<<grid, 128 * (CWG + 1), smem, stream>>>(xb, reinterpret_cast<const uint4*>(tiles.data_ptr<int32_t>()), scale,
@@ -530,11 +536,13 @@ template <typename T>
 void dispatch_gemm_ws(int bn, int wg, int stages, const T* xb, const torch::Tensor& tiles, const float* scale,
                       const float* bias, const float* sx, T* y, float* part, int M, int N, int splits, int per_split,
                       cudaStream_t stream) {
-#define PARITY_GEMM_WS(BN_, WG_, ST_)                                                                            \
+#define PARITY_GEMM_WS(BN_, WG_, ST_, HPS_)                                                                      \
   if (bn == BN_ && wg == WG_ && stages == ST_)                                                                 \
-    return launch_gemm_ws<T, BN_, WG_, ST_>(xb, tiles, scale, bias, sx, y, part, M, N, splits, per_split, stream);
-  // 192 KB of stages each: one block (a producer and 2 consumer warpgroups) a multiprocessor.
-  PARITY_GEMM_WS(128, 2, 6) PARITY_GEMM_WS(256, 2, 4)
+    return launch_gemm_ws<T, BN_, WG_, ST_, HPS_>(xb, tiles, scale, bias, sx, y, part, M, N, splits, per_split,  \
+                                                  stream);
+  // 192 KB of stages each: one block (a producer and 2 consumer warpgroups) a multiprocessor. 128 tokens in 3
+  // stages of a whole chunk, 256 in 4 of a half (whole chunks, 2 stages, measured slower there).
+  PARITY_GEMM_WS(128, 2, 3, 2) PARITY_GEMM_WS(256, 2, 4, 1)
 #undef PARITY_GEMM_WS
   TORCH_CHECK(false, "ternary gemm (warp-specialized): no instance for bn=", bn, " wg=", wg, " stages=", stages);
 }
@@ -620,7 +628,7 @@ std::vector<int64_t> gemm_auto_config(int64_t m, int64_t n, int64_t k, int64_t g
   const bool group = group_size > 0, ws = !group && m >= WS_MIN_M;
   int64_t bn, wg, stages;
   if (ws) {
-    bn = m <= 128 ? 128 : 256, wg = 2, stages = m <= 128 ? 6 : 4;
+    bn = m <= 128 ? 128 : 256, wg = 2, stages = m <= 128 ? 3 : 4;
   } else {
     bn = m <= 64 ? 64 : 128, wg = m <= 64 ? (group ? 2 : 4) : 2, stages = m <= 64 ? 4 : 3;
   }
