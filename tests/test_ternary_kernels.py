@@ -660,12 +660,29 @@ def _swizzled(rows: int) -> tuple[torch.Tensor, callable]:
     return buf, lambda row, kk: row * 64 + (((kk // 8) ^ (row % 8)) * 8) + kk % 8
 
 
+def _staged_x_blocked(x: torch.Tensor, kc: int, bn: int, ext_pos: list) -> torch.Tensor:
+    """x as stage_x_kernel lays it out for the warp-specialized GEMM (BN > 0), by the kernel's own index: token
+    blocks of bn, then chunks, then the chunk's two 64-input halves, each bn rows of 128 bytes, swizzled."""
+    m, k = x.shape
+    mb_count = -(-m // bn)
+    xb = torch.zeros(mb_count * kc * 2 * bn * 64, dtype=torch.float64)
+    for tok in range(m):
+        mb, r = divmod(tok, bn)
+        for kk in range(k):
+            c, p = kk // 128, ext_pos[kk % 128]
+            q = (p & 63) >> 3
+            xb[((mb * kc + c) * 2 + (p >> 6)) * bn * 64 + r * 64 + ((q ^ (r & 7)) << 3) + (p & 7)] = x[tok, kk]
+    return xb
+
+
+@pytest.mark.parametrize("hps", [1, 2])
 @pytest.mark.parametrize("n, k, m, bn", [(64, 256, 5, 64), (80, 300, 70, 64)])
-def test_ws_shared_layouts_feed_wgmma(n, k, m, bn):
+def test_ws_shared_layouts_feed_wgmma(n, k, m, bn, hps):
     """The warp-specialized GEMM's shared memory, emulated: the producer's stmatrix of each lane's decoded tile
     registers (lanes 8 i .. 8 i + 7 address matrix i's rows, register i of lane 4 r + c / 2 is its element (r, c))
-    and the blocked copy of x (stage_x_kernel with BN > 0), both read back through the swizzle as wgmma reads them,
-    give x @ W^T."""
+    into half hh of a stage of hps halves, and the stage's one bulk copy of the blocked x (stage_x_kernel with
+    BN > 0) whose half hh the consumers read at hh x the half's size, both read back through the swizzle as wgmma
+    reads them, give x @ W^T."""
     gen = torch.Generator().manual_seed(n + k + m)
     values = torch.randint(-1, 2, (n, k), generator=gen)
     x = torch.randn(m, k, generator=gen, dtype=torch.float64)
@@ -673,9 +690,12 @@ def test_ws_shared_layouts_feed_wgmma(n, k, m, bn):
     nt, kc = tiles.shape[:2]
     word_pair = _tiles_word_pair(tiles)
     ext_pos = ternary_cuda.tile_order(128).tolist()  # input r of a chunk at ext_pos[r]
+    xb = _staged_x_blocked(x, kc, bn, ext_pos)
+    x1 = bn * 64  # one half of x in a stage, in elements
     y = torch.zeros(m, nt * 16, dtype=torch.float64)
-    for c in range(kc):
-        for h in range(2):
+    for u in range(2 * kc // hps):
+        for hh in range(hps):
+            c, h = divmod(u * hps + hh, 2)
             # the producer: a 16-row A half per tile (rows of the block's A buffer; one tile here)
             a_half = torch.zeros(nt * 16, 64, dtype=torch.float64)
             for tile in range(nt):
@@ -692,22 +712,15 @@ def test_ws_shared_layouts_feed_wgmma(n, k, m, bn):
                 for row in range(16):
                     for kk in range(64):
                         a_half[16 * tile + row, kk] = buf[at(row, kk)]
-            # x: token t of a block of bn, input r of chunk c at position p = ext_pos[r] of half p // 64
+            assert not a_half.isnan().any(), "stmatrix left A slots unwritten"
+            # x: each token block's stage is one copy of hps halves from xsrc + u hps halves; half hh at hh x1
             xh = torch.zeros(m, 64, dtype=torch.float64)
             for mb in range(-(-m // bn)):
-                buf, at = _swizzled(bn)
-                buf.zero_()
-                for tok in range(bn):
-                    if mb * bn + tok >= m:
-                        continue
-                    for r in range(128):
-                        p = ext_pos[r]
-                        if p // 64 == h and c * 128 + r < k:
-                            buf[tok * 64 + (((p % 64) // 8) ^ (tok % 8)) * 8 + p % 8] = x[mb * bn + tok, c * 128 + r]
+                stage = xb[(mb * kc * 2 + u * hps) * x1:][:hps * x1]
+                half, at = stage[hh * x1:(hh + 1) * x1], _swizzled(bn)[1]
                 for tok in range(min(bn, m - mb * bn)):
                     for kk in range(64):
-                        xh[mb * bn + tok, kk] = buf[at(tok, kk)]
-            assert not a_half.isnan().any(), "stmatrix left A slots unwritten"
+                        xh[mb * bn + tok, kk] = half[at(tok, kk)]
             y += xh @ a_half.t()
     ref = x @ values.to(torch.float64).t()
     assert torch.allclose(y[:, :n] / 2.0, ref, atol=1e-10), f"max |err| {(y[:, :n] / 2.0 - ref).abs().max()}"
