@@ -680,9 +680,8 @@ def _staged_x_blocked(x: torch.Tensor, kc: int, bn: int, ext_pos: list) -> torch
 def test_ws_shared_layouts_feed_wgmma(n, k, m, bn, hps):
     """The warp-specialized GEMM's shared memory, emulated: the producer's stmatrix of each lane's decoded tile
     registers (lanes 8 i .. 8 i + 7 address matrix i's rows, register i of lane 4 r + c / 2 is its element (r, c))
-    into half hh of a stage of hps halves, and the stage's one bulk copy of the blocked x (stage_x_kernel with
-    BN > 0) whose half hh the consumers read at hh x the half's size, both read back through the swizzle as wgmma
-    reads them, give x @ W^T."""
+    into one 64-input half, and a stage's one bulk copy of hps halves of the blocked x (stage_x_kernel with BN > 0),
+    half hh read at hh x the half's size, both read back through the swizzle as wgmma reads them, give x @ W^T."""
     gen = torch.Generator().manual_seed(n + k + m)
     values = torch.randint(-1, 2, (n, k), generator=gen)
     x = torch.randn(m, k, generator=gen, dtype=torch.float64)
@@ -691,7 +690,7 @@ def test_ws_shared_layouts_feed_wgmma(n, k, m, bn, hps):
     word_pair = _tiles_word_pair(tiles)
     ext_pos = ternary_cuda.tile_order(128).tolist()  # input r of a chunk at ext_pos[r]
     xb = _staged_x_blocked(x, kc, bn, ext_pos)
-    x1 = bn * 64  # one half of x in a stage, in elements
+    x1, x_at = bn * 64, _swizzled(bn)[1]  # one half of x in a stage, in elements; its swizzled index
     y = torch.zeros(m, nt * 16, dtype=torch.float64)
     for u in range(2 * kc // hps):
         for hh in range(hps):
@@ -717,10 +716,10 @@ def test_ws_shared_layouts_feed_wgmma(n, k, m, bn, hps):
             xh = torch.zeros(m, 64, dtype=torch.float64)
             for mb in range(-(-m // bn)):
                 stage = xb[(mb * kc * 2 + u * hps) * x1:][:hps * x1]
-                half, at = stage[hh * x1:(hh + 1) * x1], _swizzled(bn)[1]
+                half = stage[hh * x1:(hh + 1) * x1]
                 for tok in range(min(bn, m - mb * bn)):
                     for kk in range(64):
-                        xh[mb * bn + tok, kk] = half[at(tok, kk)]
+                        xh[mb * bn + tok, kk] = half[x_at(tok, kk)]
             y += xh @ a_half.t()
     ref = x @ values.to(torch.float64).t()
     assert torch.allclose(y[:, :n] / 2.0, ref, atol=1e-10), f"max |err| {(y[:, :n] / 2.0 - ref).abs().max()}"
