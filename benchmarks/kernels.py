@@ -760,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
         out_path.write_text(json.dumps(result, indent=1))
     # Group scales of 128 inputs: the kernels each copy of the weight serves them with.
     for k, n in [(4096, 14336), (14336, 4096)] if args.group else []:
-        result["rows"] += bench_shape(k, n, [16, 64, 128, 256, 512], ["ternary", "tiles_linear", "triton_mm",
+        result["rows"] += bench_shape(k, n, [1, 16, 64, 128, 256, 512], ["ternary", "tiles_linear", "triton_mm",
                                                                       "cuda_mma", "cuda_dequant"], copy_gbps,
                                       "group-128")
         out_path.write_text(json.dumps(result, indent=1))
@@ -790,6 +790,10 @@ def summary(result: dict) -> str:
             if r:
                 lines.append(f"K={k:5d} N={n:5d} M={m:3d}                   ternary {r['median_us']:9.2f} "
                              f"{r['baseline_us']:9.2f} {r['speedup']:8.2f} {r['bw_frac']:8.2f}")
+        r = rows.get(("ternary", k, n, 1, "group-128"))
+        if r:
+            lines.append(f"K={k:5d} N={n:5d} M=  1 group-128         ternary {r['median_us']:9.2f} "
+                         f"{r['baseline_us']:9.2f} {r['speedup']:8.2f} {r['bw_frac']:8.2f}")
         r1, r16 = rows.get(("ternary", k, n, 1, "seed-article")), rows.get(("ternary", k, n, 16, "seed-article"))
         if r1 and r16:
             lines.append(f"K={k:5d} N={n:5d} M=16 / M=1 time ratio: {r16['median_us'] / r1['median_us']:.2f}")

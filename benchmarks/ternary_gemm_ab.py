@@ -1,5 +1,6 @@
 """The ternary GEMM's two kernels against each other, the dense weight from the tiles + cuBLAS and torch fp16, in
-one process: the two target shapes at 32 .. 1024 tokens, each a CUDA-graph median with the weights rotated.
+one process: the two target shapes (or ``--shapes``) at 32 .. 1024 tokens, each a CUDA-graph median with the weights
+rotated.
 
     python3 benchmarks/ternary_gemm_ab.py --out benchmarks/results/ternary_gemm_ws_ab.json
 
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="ternary_gemm_ab.json", help="JSON results")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts, comma-separated")
+    ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="K x N, comma-separated")
     args = ap.parse_args(argv)
     if not ternary_cuda.gemm_supported():
         print("the ternary GEMM needs a GPU of compute capability 9.0 and nvcc", file=sys.stderr)
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ternary_cuda.ops()
     ms = [int(v) for v in args.ms.split(",")]
     result = dict(copy_gbps=copy_bandwidth(), device=torch.cuda.get_device_name(0), rows=[])
-    for k, n in SHAPES:
+    for shape in args.shapes.split(","):
+        k, n = map(int, shape.split("x"))
         result["rows"] += shape_rows(k, n, ms)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

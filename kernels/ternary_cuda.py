@@ -242,14 +242,17 @@ GEMM_WS_MIN_M = 128
 def gemm_config(m: int, n: int, k: int, group_size: int = 0, ws: bool | None = None) -> dict:
     """Tokens (bn) and warpgroups (wg, 64 rows each) a block, pipeline stages, split of K and kernel (ws: the
     warp-specialized one) of the GEMM, the rule of the C++ op (``gemm_auto_config``). One scale a row from
-    GEMM_WS_MIN_M tokens: ws, blocks of 128 tokens x 128 rows up to 128 tokens, above 256 x 128. Else up to 64
+    GEMM_WS_MIN_M tokens: ws, blocks of 128 tokens x 128 rows up to 128 tokens, above 256 x 128 (but 128 where the
+    last 256-token block would be at most half full and those blocks fill the multiprocessors). Else up to 64
     tokens blocks of 64 tokens x 256 rows (x 128 with group scales), above 128 x 128. K split in two until the grid
     would pass the blocks a multiprocessor holds (2 of the register-A kernel's 128 x 128 without group scales, else
     1), at most 8 ways and 8 chunks a split. From the sweeps in benchmarks/NOTES.md. ``ws`` False: the register-A
     kernel's launch whatever M (benchmarks compare the two)."""
     ws = not group_size and m >= GEMM_WS_MIN_M and ws is not False
     if ws:
-        bn, wg, stages = (128, 2, 3) if m <= 128 else (256, 2, 4)
+        # 256 tokens a block above 128, unless the last would be at most half full while that grid fills the SMs
+        half_padded = 0 < m % 256 <= 128 and -(-n // 128) * -(-m // 256) >= _num_sms()
+        bn, wg, stages = (128, 2, 3) if m <= 128 or half_padded else (256, 2, 4)
     else:
         bn, wg, stages = (64, 2 if group_size else 4, 4) if m <= 64 else (128, 2, 3)
     per_sm = 2 if (bn, wg) == (128, 2) and not group_size and not ws else 1

@@ -36,7 +36,7 @@ EOF
 "$py" scripts/build_cuda.py 2>&1 | tee "$out/build.log"
 
 tests=()
-for f in ${PARITY_GPU_TESTS:-tests/test_ternary_kernels.py tests/test_int8x_kernels.py tests/test_int8x_native.py tests/test_choose.py}; do
+for f in ${PARITY_GPU_TESTS:-tests/test_ternary_kernels.py tests/test_int8x_kernels.py tests/test_int8x_native.py tests/test_int8x_planes.py tests/test_choose.py}; do
     [ -f "$f" ] && tests+=("$f")
 done
 "$py" -m pytest -p no:cacheprovider -m "gpu or not vllm" -q -rs --durations=15 ${PARITY_GPU_K:+-k "$PARITY_GPU_K"} \

@@ -479,6 +479,19 @@ def test_gemm_config_is_a_compiled_instance(m, n, k, group, sms):
     assert cfg["split"] == 1 or -(-k // 128) // cfg["split"] >= 8, cfg
 
 
+def test_gemm_ws_blocks_of_128_tokens_where_256_would_pad_half_a_block(monkeypatch):
+    """Above 128 tokens the ws kernel takes blocks of 256 tokens, but of 128 where the last 256-token block would
+    be at most half full while the 256-token grid fills the multiprocessors unsplit (H100, 4096 x 14336 at 384
+    tokens: 104.3 against 120.6 us, benchmarks/NOTES.md); with a split grid 256 stays (14336 x 4096: 96.2 against
+    101.9 us)."""
+    monkeypatch.setattr(ternary_cuda, "_num_sms", lambda: 132)
+    bn = {m: ternary_cuda.gemm_config(m, 14336, 4096)["bn"] for m in (129, 256, 300, 384, 385, 512, 640, 1000)}
+    assert bn == {129: 256, 256: 256, 300: 128, 384: 128, 385: 256, 512: 256, 640: 128, 1000: 256}, bn
+    assert ternary_cuda.gemm_config(384, 14336, 4096)["stages"] == 3
+    assert ternary_cuda.gemm_config(384, 4096, 14336)["bn"] == 256, "the 256-token grid is split: 256 stays"
+    assert ternary_cuda.gemm_config(300, 14336, 4096, 128)["bn"] == 128, "group scales: the register-A kernel's"
+
+
 def test_mma_dependent_launch_follows_the_device_and_the_environment(monkeypatch):
     monkeypatch.setattr(ternary_cuda, "_num_sms", lambda: 132)
     monkeypatch.setattr(ternary_cuda, "_pdl_supported", lambda: True)
@@ -1255,7 +1268,7 @@ def test_gpu_gemm_refuses_what_it_cannot_take():
 @pytest.mark.gpu
 @needs_gemm
 def test_gpu_gemm_cpp_config_is_python_config():
-    for m, n, k, group in itertools.product((1, 33, 64, 65, 200, 384, 1000), (64, 4096, 14336), (256, 4096, 14336),
+    for m, n, k, group in itertools.product((1, 33, 64, 65, 200, 384, 640, 1000), (64, 4096, 14336), (256, 4096, 14336),
                                             (0, 128)):
         assert ternary_cuda.gemm_cpp_config(m, n, k, group) == ternary_cuda.gemm_config(m, n, k, group), (m, n, k, group)
 

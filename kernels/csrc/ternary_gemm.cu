@@ -618,7 +618,8 @@ torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& tiles, c
 
 // The launch the op chooses (kernels/ternary_cuda.gemm_config is the same rule; a GPU test compares them): one
 // scale a row from WS_MIN_M tokens the warp-specialized kernel, blocks of 128 tokens x 128 rows up to 128 tokens,
-// above 256 x 128; else up to 64 tokens blocks of 64 tokens x 256 rows (x 128 with group scales), above 128 x 128.
+// above 256 x 128 (but 128 where the last 256-token block would be at most half full and those blocks fill the
+// multiprocessors); else up to 64 tokens blocks of 64 tokens x 256 rows (x 128 with group scales), above 128 x 128.
 // K split in two until the grid would pass the blocks a multiprocessor holds (2 of the register-A kernel's
 // 128 x 128 without group scales, else 1), at most 8 ways and 8 chunks a split. From the sweeps in
 // benchmarks/NOTES.md.
@@ -628,7 +629,9 @@ std::vector<int64_t> gemm_auto_config(int64_t m, int64_t n, int64_t k, int64_t g
   const bool group = group_size > 0, ws = !group && m >= WS_MIN_M;
   int64_t bn, wg, stages;
   if (ws) {
-    bn = m <= 128 ? 128 : 256, wg = 2, stages = m <= 128 ? 3 : 4;
+    const bool half_padded = m % 256 != 0 && m % 256 <= 128 && ((n + 127) / 128) * ((m + 255) / 256) >= count;
+    const bool b128 = m <= 128 || half_padded;
+    bn = b128 ? 128 : 256, wg = 2, stages = b128 ? 3 : 4;
   } else {
     bn = m <= 64 ? 64 : 128, wg = m <= 64 ? (group ? 2 : 4) : 2, stages = m <= 64 ? 4 : 3;
   }
