@@ -237,31 +237,36 @@ GEMM_GROUP_INSTANCES = ((64, 1, 4), (64, 2, 4), (128, 2, 3))  # with group scale
 # GEMM_WS_MIN_M tokens (benchmarks/NOTES.md)
 GEMM_WS_INSTANCES = ((128, 2, 3), (256, 2, 4))
 GEMM_WS_MIN_M = 128
+WS_128_COST = 1.25  # a token of the 128-token ws instance against the 256-token one's (H100 sweep, NOTES)
 
 
 def gemm_config(m: int, n: int, k: int, group_size: int = 0, ws: bool | None = None) -> dict:
     """Tokens (bn) and warpgroups (wg, 64 rows each) a block, pipeline stages, split of K and kernel (ws: the
     warp-specialized one) of the GEMM, the rule of the C++ op (``gemm_auto_config``). One scale a row from
-    GEMM_WS_MIN_M tokens: ws, blocks of 128 tokens x 128 rows up to 128 tokens, above 256 x 128 (but 128 where the
-    last 256-token block would be at most half full and those blocks fill the multiprocessors). Else up to 64
-    tokens blocks of 64 tokens x 256 rows (x 128 with group scales), above 128 x 128. K split in two until the grid
-    would pass the blocks a multiprocessor holds (2 of the register-A kernel's 128 x 128 without group scales, else
-    1), at most 8 ways and 8 chunks a split. From the sweeps in benchmarks/NOTES.md. ``ws`` False: the register-A
-    kernel's launch whatever M (benchmarks compare the two)."""
-    ws = not group_size and m >= GEMM_WS_MIN_M and ws is not False
-    if ws:
-        # 256 tokens a block above 128, unless the last would be at most half full while that grid fills the SMs
-        half_padded = 0 < m % 256 <= 128 and -(-n // 128) * -(-m // 256) >= _num_sms()
-        bn, wg, stages = (128, 2, 3) if m <= 128 or half_padded else (256, 2, 4)
-    else:
-        bn, wg, stages = (64, 2 if group_size else 4, 4) if m <= 64 else (128, 2, 3)
-    per_sm = 2 if (bn, wg) == (128, 2) and not group_size and not ws else 1
-    blocks = -(-n // (64 * wg)) * -(-m // bn)
-    kc = -(-k // 128)
-    split = 1
-    while split < 8 and blocks * split * 2 <= per_sm * _num_sms() and kc // (split * 2) >= 8:
-        split *= 2
-    return {"bn": bn, "wg": wg, "stages": stages, "split": split, "ws": ws}
+    GEMM_WS_MIN_M tokens: ws, blocks of 128 tokens x 128 rows up to 128 tokens; above, 128 or 256 tokens, whichever
+    takes fewer waves of blocks x tokens a block / split, a 128-token block's token counted 1.25 times (WS_128_COST).
+    Else up to 64 tokens blocks of 64 tokens x 256 rows (x 128 with group scales), above 128 x 128. K split in two
+    until the grid would pass the blocks a multiprocessor holds (2 of the register-A kernel's 128 x 128 without
+    group scales, else 1), at most 8 ways and 8 chunks a split. From the sweeps in benchmarks/NOTES.md. ``ws``
+    False: the register-A kernel's launch whatever M (benchmarks compare the two)."""
+    sms, kc = _num_sms(), -(-k // 128)
+
+    def blocks_split(bn: int, wg: int, per_sm: int) -> tuple[int, int]:
+        blocks, split = -(-n // (64 * wg)) * -(-m // bn), 1
+        while split < 8 and blocks * split * 2 <= per_sm * sms and kc // (split * 2) >= 8:
+            split *= 2
+        return blocks * split, split
+
+    if not group_size and m >= GEMM_WS_MIN_M and ws is not False:
+        def cost(bn: int) -> float:
+            blocks, split = blocks_split(bn, 2, 1)
+            return -(-blocks // sms) * bn / split * (WS_128_COST if bn == 128 else 1.0)
+
+        bn = 128 if m <= 128 or cost(128) < cost(256) else 256
+        return {"bn": bn, "wg": 2, "stages": 3 if bn == 128 else 4, "split": blocks_split(bn, 2, 1)[1], "ws": True}
+    bn, wg, stages = (64, 2 if group_size else 4, 4) if m <= 64 else (128, 2, 3)
+    per_sm = 2 if (bn, wg) == (128, 2) and not group_size else 1
+    return {"bn": bn, "wg": wg, "stages": stages, "split": blocks_split(bn, wg, per_sm)[1], "ws": False}
 
 
 def gemm_cpp_config(m: int, n: int, k: int, group_size: int) -> dict:

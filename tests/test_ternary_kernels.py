@@ -479,16 +479,17 @@ def test_gemm_config_is_a_compiled_instance(m, n, k, group, sms):
     assert cfg["split"] == 1 or -(-k // 128) // cfg["split"] >= 8, cfg
 
 
-def test_gemm_ws_blocks_of_128_tokens_where_256_would_pad_half_a_block(monkeypatch):
-    """Above 128 tokens the ws kernel takes blocks of 256 tokens, but of 128 where the last 256-token block would
-    be at most half full while the 256-token grid fills the multiprocessors unsplit (H100, 4096 x 14336 at 384
-    tokens: 104.3 against 120.6 us, benchmarks/NOTES.md); with a split grid 256 stays (14336 x 4096: 96.2 against
-    101.9 us)."""
+def test_gemm_ws_block_tokens_take_the_fewer_waves(monkeypatch):
+    """Above 128 tokens the ws kernel takes blocks of 128 or 256 tokens, whichever takes fewer waves of blocks x
+    tokens / split with a 128-token block's token counted 1.25 times (H100 sweep, benchmarks/NOTES.md: 4096 x 14336
+    at 384 tokens 104.3 against 120.6 us, at 512 127.7 against 141.3; 4096 x 12288 at 512 107.0 against 126.8)."""
     monkeypatch.setattr(ternary_cuda, "_num_sms", lambda: 132)
-    bn = {m: ternary_cuda.gemm_config(m, 14336, 4096)["bn"] for m in (129, 256, 300, 384, 385, 512, 640, 1000)}
-    assert bn == {129: 256, 256: 256, 300: 128, 384: 128, 385: 256, 512: 256, 640: 128, 1000: 256}, bn
+    bn = {m: ternary_cuda.gemm_config(m, 14336, 4096)["bn"] for m in (128, 129, 256, 300, 384, 385, 512, 640, 1000)}
+    assert bn == {128: 128, 129: 256, 256: 256, 300: 128, 384: 128, 385: 256, 512: 256, 640: 256, 1000: 256}, bn
     assert ternary_cuda.gemm_config(384, 14336, 4096)["stages"] == 3
-    assert ternary_cuda.gemm_config(384, 4096, 14336)["bn"] == 256, "the 256-token grid is split: 256 stays"
+    assert ternary_cuda.gemm_config(512, 12288, 4096)["bn"] == 128, "192 blocks of 256 are 2 waves, 384 of 128 are 3"
+    assert ternary_cuda.gemm_config(384, 4096, 14336) == dict(bn=256, wg=2, stages=4, split=2, ws=True), \
+        "a split grid of 256 tokens is one wave"
     assert ternary_cuda.gemm_config(300, 14336, 4096, 128)["bn"] == 128, "group scales: the register-A kernel's"
 
 

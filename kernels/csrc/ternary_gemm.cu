@@ -617,29 +617,32 @@ torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& tiles, c
 }
 
 // The launch the op chooses (kernels/ternary_cuda.gemm_config is the same rule; a GPU test compares them): one
-// scale a row from WS_MIN_M tokens the warp-specialized kernel, blocks of 128 tokens x 128 rows up to 128 tokens,
-// above 256 x 128 (but 128 where the last 256-token block would be at most half full and those blocks fill the
-// multiprocessors); else up to 64 tokens blocks of 64 tokens x 256 rows (x 128 with group scales), above 128 x 128.
-// K split in two until the grid would pass the blocks a multiprocessor holds (2 of the register-A kernel's
-// 128 x 128 without group scales, else 1), at most 8 ways and 8 chunks a split. From the sweeps in
+// scale a row from WS_MIN_M tokens the warp-specialized kernel, blocks of 128 tokens x 128 rows up to 128 tokens;
+// above, 128 or 256 tokens, whichever takes fewer waves of blocks x tokens a block / split, a 128-token block's
+// token counted 1.25 times. Else up to 64 tokens blocks of 64 tokens x 256 rows (x 128 with group scales), above
+// 128 x 128. K split in two until the grid would pass the blocks a multiprocessor holds (2 of the register-A
+// kernel's 128 x 128 without group scales, else 1), at most 8 ways and 8 chunks a split. From the sweeps in
 // benchmarks/NOTES.md.
 constexpr int64_t WS_MIN_M = 128;
 std::vector<int64_t> gemm_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size) {
-  const int count = parity::device_info(c10::cuda::current_device()).sms;
+  const int64_t sms = parity::device_info(c10::cuda::current_device()).sms, kc = (k + TILE_K - 1) / TILE_K;
   const bool group = group_size > 0, ws = !group && m >= WS_MIN_M;
-  int64_t bn, wg, stages;
+  auto split_of = [&](int64_t bn, int64_t wg, int64_t per_sm) {
+    const int64_t blocks = ((n + 64 * wg - 1) / (64 * wg)) * ((m + bn - 1) / bn);
+    int64_t split = 1;
+    while (split < 8 && blocks * split * 2 <= per_sm * sms && kc / (split * 2) >= 8) split *= 2;
+    return std::pair<int64_t, int64_t>(blocks * split, split);
+  };
   if (ws) {
-    const bool half_padded = m % 256 != 0 && m % 256 <= 128 && ((n + 127) / 128) * ((m + 255) / 256) >= count;
-    const bool b128 = m <= 128 || half_padded;
-    bn = b128 ? 128 : 256, wg = 2, stages = b128 ? 3 : 4;
-  } else {
-    bn = m <= 64 ? 64 : 128, wg = m <= 64 ? (group ? 2 : 4) : 2, stages = m <= 64 ? 4 : 3;
+    auto cost = [&](int64_t bn) {  // in quarter tokens: a 128-token block's token counts 5 quarters
+      const auto [blocks, split] = split_of(bn, 2, 1);
+      return (double)((blocks + sms - 1) / sms) * bn * (bn == 128 ? 5 : 4) / split;
+    };
+    const int64_t bn = m <= 128 || cost(128) < cost(256) ? 128 : 256;
+    return {bn, 2, bn == 128 ? 3 : 4, split_of(bn, 2, 1).second, 1};
   }
-  const int64_t per_sm = wg == 2 && bn == 128 && !group && !ws ? 2 : 1;
-  const int64_t blocks = ((n + 64 * wg - 1) / (64 * wg)) * ((m + bn - 1) / bn), kc = (k + TILE_K - 1) / TILE_K;
-  int64_t split = 1;
-  while (split < 8 && blocks * split * 2 <= per_sm * count && kc / (split * 2) >= 8) split *= 2;
-  return {bn, wg, stages, split, ws ? 1 : 0};
+  const int64_t bn = m <= 64 ? 64 : 128, wg = m <= 64 ? (group ? 2 : 4) : 2, stages = m <= 64 ? 4 : 3;
+  return {bn, wg, stages, split_of(bn, wg, wg == 2 && bn == 128 && !group ? 2 : 1).second, 0};
 }
 
 // x (..., K) through the GEMM with the launch chosen here.
