@@ -25,6 +25,9 @@ if not os.environ.get("TRITON_INTERPRET"):
 
 import itertools
 import math
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -491,6 +494,47 @@ def test_gemm_ws_block_tokens_take_the_fewer_waves(monkeypatch):
     assert ternary_cuda.gemm_config(384, 4096, 14336) == dict(bn=256, wg=2, stages=4, split=2, ws=True), \
         "a split grid of 256 tokens is one wave"
     assert ternary_cuda.gemm_config(300, 14336, 4096, 128)["bn"] == 128, "group scales: the register-A kernel's"
+
+
+_GEMM_RULE_HOST = r"""
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <utility>
+#include <vector>
+constexpr int TILE_K = 128;
+namespace parity { struct Info { int64_t sms; }; inline Info device_info(int) { return {atoll(getenv("SMS"))}; } }
+namespace c10 { namespace cuda { inline int current_device() { return 0; } } }
+%s
+int main() {
+  int64_t m, n, k, g;
+  while (scanf("%%ld %%ld %%ld %%ld", &m, &n, &k, &g) == 4) {
+    const auto c = gemm_auto_config(m, n, k, g);
+    printf("%%ld %%ld %%ld %%ld %%ld\n", c[0], c[1], c[2], c[3], c[4]);
+  }
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the C++ rule on the host")
+def test_gemm_cpp_rule_is_python_rule_on_the_host(tmp_path):
+    """The C++ op's launch rule (``gemm_auto_config``, compiled on the host with the SM count stubbed) equals
+    ``gemm_config`` on a grid of shapes, so that CI checks it where no GPU runs the op."""
+    src = (Path(ternary_cuda.__file__).with_name("csrc") / "ternary_gemm.cu").read_text()
+    start, end = src.index("constexpr int64_t WS_MIN_M"), src.index("// x (..., K) through the GEMM")
+    (tmp_path / "rule.cpp").write_text(_GEMM_RULE_HOST % src[start:end])
+    subprocess.run(["g++", "-std=c++17", "-o", str(tmp_path / "rule"), str(tmp_path / "rule.cpp")], check=True)
+    cases = list(itertools.product((1, 33, 64, 65, 128, 129, 200, 256, 300, 384, 385, 512, 640, 896, 1023, 4000),
+                                   (64, 4096, 11008, 12288, 14336, 22016), (256, 4096, 11008, 14336), (0, 128)))
+    for sms in (78, 132):
+        out = subprocess.run([str(tmp_path / "rule")], input="\n".join(" ".join(map(str, c)) for c in cases),
+                             capture_output=True, text=True, check=True, env={"SMS": str(sms)}).stdout.split("\n")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ternary_cuda, "_num_sms", lambda: sms)
+            for (m, n, k, g), line in zip(cases, out):
+                bn, wg, stages, split, ws = map(int, line.split())
+                assert ternary_cuda.gemm_config(m, n, k, g) == dict(bn=bn, wg=wg, stages=stages, split=split,
+                                                                      ws=bool(ws)), (sms, m, n, k, g)
 
 
 def test_mma_dependent_launch_follows_the_device_and_the_environment(monkeypatch):
