@@ -616,13 +616,13 @@ torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& tiles, c
   return y;
 }
 
-// The launch the op chooses (kernels/ternary_cuda.gemm_config is the same rule; a GPU test compares them): one
-// scale a row from WS_MIN_M tokens the warp-specialized kernel, blocks of 128 tokens x 128 rows up to 128 tokens;
-// above, 128 or 256 tokens, whichever takes fewer waves of blocks x tokens a block / split, a 128-token block's
-// token counted 1.25 times. Else up to 64 tokens blocks of 64 tokens x 256 rows (x 128 with group scales), above
-// 128 x 128. K split in two until the grid would pass the blocks a multiprocessor holds (2 of the register-A
-// kernel's 128 x 128 without group scales, else 1), at most 8 ways and 8 chunks a split. From the sweeps in
-// benchmarks/NOTES.md.
+// The launch the op chooses (kernels/ternary_cuda.gemm_config is the same rule; tests compare them on the host and
+// through the op on a GPU): one scale a row from WS_MIN_M tokens the warp-specialized kernel, blocks of 128 tokens x
+// 128 rows up to 128 tokens; above, 128 or 256 tokens, whichever takes fewer waves of blocks x tokens a block /
+// split, a 128-token block's token counted 1.25 times. Else up to 64 tokens blocks of 64 tokens x 256 rows (x 128
+// with group scales), above 128 x 128. K split in two until the grid would pass the blocks a multiprocessor holds
+// (2 of the register-A kernel's 128 x 128 without group scales, else 1), at most 8 ways and 8 chunks a split. From
+// the sweeps in benchmarks/NOTES.md.
 constexpr int64_t WS_MIN_M = 128;
 std::vector<int64_t> gemm_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size) {
   const int64_t sms = parity::device_info(c10::cuda::current_device()).sms, kc = (k + TILE_K - 1) / TILE_K;
