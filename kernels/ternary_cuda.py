@@ -258,12 +258,11 @@ def gemm_config(m: int, n: int, k: int, group_size: int = 0, ws: bool | None = N
         return blocks * split, split
 
     if not group_size and m >= GEMM_WS_MIN_M and ws is not False:
-        def cost(bn: int) -> float:
-            blocks, split = blocks_split(bn, 2, 1)
-            return -(-blocks // sms) * bn / split * (WS_128_COST if bn == 128 else 1.0)
-
-        bn = 128 if m <= 128 or cost(128) < cost(256) else 256
-        return {"bn": bn, "wg": 2, "stages": 3 if bn == 128 else 4, "split": blocks_split(bn, 2, 1)[1], "ws": True}
+        grids = {bn: blocks_split(bn, 2, 1) for bn in (128, 256)}
+        cost = {bn: -(-blocks // sms) * bn / split * (WS_128_COST if bn == 128 else 1.0)
+                for bn, (blocks, split) in grids.items()}
+        bn = 128 if m <= 128 or cost[128] < cost[256] else 256
+        return {"bn": bn, "wg": 2, "stages": 3 if bn == 128 else 4, "split": grids[bn][1], "ws": True}
     bn, wg, stages = (64, 2 if group_size else 4, 4) if m <= 64 else (128, 2, 3)
     per_sm = 2 if (bn, wg) == (128, 2) and not group_size else 1
     return {"bn": bn, "wg": wg, "stages": stages, "split": blocks_split(bn, wg, per_sm)[1], "ws": False}

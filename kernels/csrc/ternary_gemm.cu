@@ -634,12 +634,12 @@ std::vector<int64_t> gemm_auto_config(int64_t m, int64_t n, int64_t k, int64_t g
     return std::pair<int64_t, int64_t>(blocks * split, split);
   };
   if (ws) {
-    auto cost = [&](int64_t bn) {  // in quarter tokens: a 128-token block's token counts 5 quarters
-      const auto [blocks, split] = split_of(bn, 2, 1);
-      return (double)((blocks + sms - 1) / sms) * bn * (bn == 128 ? 5 : 4) / split;
+    const auto g128 = split_of(128, 2, 1), g256 = split_of(256, 2, 1);
+    auto cost = [&](int64_t bn, std::pair<int64_t, int64_t> g) {  // in quarter tokens: 128 tokens' token is 5
+      return (double)((g.first + sms - 1) / sms) * bn * (bn == 128 ? 5 : 4) / g.second;
     };
-    const int64_t bn = m <= 128 || cost(128) < cost(256) ? 128 : 256;
-    return {bn, 2, bn == 128 ? 3 : 4, split_of(bn, 2, 1).second, 1};
+    const bool b128 = m <= 128 || cost(128, g128) < cost(256, g256);
+    return {b128 ? 128 : 256, 2, b128 ? 3 : 4, (b128 ? g128 : g256).second, 1};
   }
   const int64_t bn = m <= 64 ? 64 : 128, wg = m <= 64 ? (group ? 2 : 4) : 2, stages = m <= 64 ? 4 : 3;
   return {bn, wg, stages, split_of(bn, wg, wg == 2 && bn == 128 && !group ? 2 : 1).second, 0};
