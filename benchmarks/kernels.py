@@ -90,6 +90,15 @@ def rotating(make, nbytes: int, cap: int = 64):
     return copies, lambda: next(state)
 
 
+def rotated(base, dtype: torch.dtype = torch.float16):
+    """Copies of the ternary weight ``base`` and of a dense ``dtype`` weight of its shape, each with the function
+    that hands out the next copy: a graph of calls then streams every copy once, from memory, not from L2."""
+    natives, next_native = rotating(lambda: repack_copy(base), base.nbytes)
+    wf = torch.randn(base.n, base.k, device="cuda", dtype=dtype) * 0.02
+    dense, next_dense = rotating(lambda: wf.clone(), wf.numel() * wf.element_size(), cap=32)
+    return natives, next_native, dense, next_dense
+
+
 def ternary_weights(k: int, n: int, spec: TernarySpec, seed: int):
     gen = torch.Generator().manual_seed(seed)
     values = torch.randint(-1, 2, (n, k), generator=gen)
@@ -112,9 +121,7 @@ def bench_shape(k: int, n: int, ms: list[int], kernels: list[str], copy_gbps: fl
     # Bytes a kernel must read: the tensor-core kernel reads the tiled copy, the others the row layout.
     row_bytes = base.qweight.numel() * 4 + base.scale.numel() * 4
     tile_bytes = base.tiles.numel() * 4 + base.scale.numel() * 4
-    natives, next_native = rotating(lambda: repack_copy(base), base.nbytes)
-    wf = torch.randn(n, k, device="cuda", dtype=dtype) * 0.02
-    fp16_weights, next_fp16 = rotating(lambda: wf.clone(), wf.numel() * wf.element_size(), cap=32)
+    natives, next_native, fp16_weights, next_fp16 = rotated(base, dtype)
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         io_bytes = (m * k + m * n) * x.element_size()
@@ -218,9 +225,7 @@ def eager_rows(copy_gbps: float) -> list[dict]:
     rows = []
     for k, n in [(4096, 14336), (14336, 4096)]:
         base = ternary_weights(k, n, PRESETS["seed-article"], seed=k + n)
-        natives, next_native = rotating(lambda: repack_copy(base), base.nbytes)
-        wf = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
-        fp16_weights, next_fp16 = rotating(lambda: wf.clone(), wf.numel() * 2, cap=32)
+        natives, next_native, fp16_weights, next_fp16 = rotated(base)
         x = torch.randn(1, k, device="cuda", dtype=torch.float16)
         base_us = eager_us(lambda: F.linear(x, next_fp16()))
         mma = ternary_cuda_ops().mma
@@ -333,9 +338,9 @@ def time_candidates(kernel: str, k: int, n: int, m: int, cands: list, calls: int
     return rows
 
 
-def mma_candidates(m: int, n: int, k: int) -> list[dict]:
+def mma_candidates(m: int, n: int, k: int, group_size: int = 0) -> list[dict]:
     """Configurations of the tensor-core kernel worth timing at one shape, with and without the
-    programmatic dependent launch."""
+    programmatic dependent launch; with ``group_size`` those compiled with group scales."""
     from vllm_parity.serving import ternary_cuda
 
     mbs = (1, 2) if 8 < m <= 16 else (ternary_cuda.mma_config(m, n, k)["mb"],)
@@ -343,32 +348,39 @@ def mma_candidates(m: int, n: int, k: int) -> list[dict]:
     for mb, tn, warps, loads, pdl in itertools.product(mbs, (1, 2, 4), (4, 8, 16), (4, 8), (False, True)):
         if loads == 8 and (mb != 1 or warps < 16):
             continue
-        cands.append(dict(tn=tn, mb=mb, warps=warps, loads=loads, pdl=pdl))
+        cfg = dict(tn=tn, mb=mb, warps=warps, loads=loads, pdl=pdl)
+        fit = ternary_cuda._fit_instance(dict(cfg), group_size)
+        if all(fit[key] == cfg[key] for key in ("tn", "mb", "warps", "loads")):  # compiled as asked
+            cands.append(cfg)
     return cands
 
 
-def sweep_mma(copy_gbps: float, rows: bool = False) -> list[dict]:
+def sweep_mma(copy_gbps: float, rows: bool = False, group_size: int = 0) -> list[dict]:
     """Blocks, pipelines and launch modes of the tensor-core kernel at the target shapes and three
-    smaller ones (small M); ``rows``: on the row layout, at the target shapes."""
+    smaller ones (small M); ``rows``: on the row layout, at the target shapes; ``group_size``: with group
+    scales, at the target shapes."""
     from vllm_parity.serving import ternary_cuda
 
     out = []
     shapes = [((4096, 14336), (1, 4, 8, 16)), ((14336, 4096), (1, 4, 8, 16)),
               ((11008, 4096), (1, 4, 8)), ((5632, 2048), (1, 4, 8)), ((2048, 5632), (1, 4, 8))]
-    for (k, n), ms in shapes[:2] if rows else shapes:
-        base = ternary_weights(k, n, PRESETS["seed-article"], seed=1)
+    spec = spec_of(f"group-{group_size}" if group_size else "seed-article")
+    for (k, n), ms in shapes[:2] if rows or group_size else shapes:
+        base = ternary_weights(k, n, spec, seed=1)
         natives, next_native = rotating(lambda: repack_copy(base), base.nbytes)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             cands = []
-            for cfg in mma_candidates(m, n, k):
+            for cfg in mma_candidates(m, n, k, group_size):
                 def fn(cfg=cfg):
                     nat = next_native()
                     return ternary_cuda.linear_mma(x, nat.qweight if rows else nat.tiles, nat.scale, None, nat.n,
                                                    nat.k, nat.group_size, nat.act_quant, config=cfg, rows=rows)
                 cands.append((cfg, fn))
             out += time_candidates("cuda_mma_rows" if rows else "cuda_mma", k, n, m, cands, len(natives),
-                                   default=ternary_cuda.mma_config(m, n, k, rows))
+                                   default=ternary_cuda._fit_instance(
+                                       ternary_cuda.mma_config(m, n, k, rows, group_size), group_size),
+                                   group_size=group_size)
         del natives
     return out
 
@@ -677,6 +689,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gemm-sweep", action="store_true",
                     help="also sweep the GEMM on the tiles (instances, splits) at the target shapes")
     ap.add_argument("--group", action="store_true", help="also the rows of group scales (128 inputs)")
+    ap.add_argument("--group-sweep", action="store_true",
+                    help="also sweep the tensor-core kernel's blocks with group scales (128 inputs) at the targets")
     ap.add_argument("--no-bitnet", action="store_true", help="skip the BitNet layout's rows")
     ap.add_argument("--sweep-triton", action="store_true", help="also sweep Triton block sizes at the targets")
     ap.add_argument("--floor", action="store_true", help="also time near-empty calls in the same harness")
@@ -744,6 +758,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(result, indent=1))
     if args.rows_sweep and "cuda_mma" in kernels:
         result["sweep"] += sweep_mma(copy_gbps, rows=True)
+    if args.group_sweep and "cuda_mma" in kernels:
+        result["sweep"] += sweep_mma(copy_gbps, group_size=128)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     out_path = Path(args.out)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import copy_bandwidth, graph_us, repack_copy, rotating, ternary_weights  # noqa: E402
+from kernels import copy_bandwidth, graph_us, rotated, ternary_weights  # noqa: E402
 
 from vllm_parity.reference.formats.ternary import PRESETS  # noqa: E402
 from vllm_parity.serving import ternary_cuda, ternary_ops  # noqa: E402
@@ -32,9 +32,7 @@ MS = (32, 64, 128, 256, 384, 512, 1024)
 
 def shape_rows(k: int, n: int, ms) -> list[dict]:
     base = ternary_weights(k, n, PRESETS["seed-article"], seed=1)
-    natives, next_native = rotating(lambda: repack_copy(base), base.nbytes)
-    wf = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
-    fp16s, next_fp16 = rotating(lambda: wf.clone(), wf.numel() * 2, cap=32)
+    natives, next_native, fp16s, next_fp16 = rotated(base)
     rows = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)

@@ -95,7 +95,7 @@ def ternary_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, 
     return extension().ternary_linear(x, qweight, scale, bias, k, group_size, act_quant, kernel == "vec")
 
 
-def mma_config(m: int, n: int, k: int, rows: bool = False) -> dict:
+def mma_config(m: int, n: int, k: int, rows: bool = False, group_size: int = 0) -> dict:
     """Row tiles per block, token fragments, warps, loads in flight and launch of the tensor-core kernel.
 
     ``pdl`` makes it a programmatic dependent launch: it starts, and reads its first weights, during the
@@ -107,7 +107,9 @@ def mma_config(m: int, n: int, k: int, rows: bool = False) -> dict:
     limit residency); 9-16 tokens, about four 128-input chunks per warp and a block per multiprocessor;
     above, 4 tiles and up to 8 warps per block. On the row layout (``rows``) up to 8 tokens: as many tiles as
     leave 0.9 blocks per multiprocessor, a warp for every two 256-input chunks (up to 16), 4 loads in flight;
-    9-16 tokens: 4 tiles a block (the H200 sweep of the row layout in benchmarks/NOTES.md).
+    9-16 tokens: 4 tiles a block (the H200 sweep of the row layout in benchmarks/NOTES.md). With ``group_size``
+    scales at 4 tiles and one fragment, at most 8 warps: that kernel takes 85-100 registers, so a 16-warp block
+    would be alone on its multiprocessor (the H100 A/B in benchmarks/NOTES.md).
     """
     sms = _num_sms()
     nt, kc = -(-n // 16), -(-k // 128)
@@ -120,14 +122,18 @@ def mma_config(m: int, n: int, k: int, rows: bool = False) -> dict:
 
     launch = {"loads": 4, "pdl": _pdl_supported() and os.environ.get(ENV_PDL, "1") != "0"}
     if m <= 8 and rows:
-        return {"tn": tiles(0.9 * sms), "mb": 1, "warps": max(1, min(16, -(-k // 256) // 2)), **launch}
-    if m <= 8:
+        cfg = {"tn": tiles(0.9 * sms), "mb": 1, "warps": max(1, min(16, -(-k // 256) // 2)), **launch}
+    elif m <= 8:
         tn = tiles((1.2 if m <= 4 else 0.9) * sms)
         loads = 8 if -(-nt // tn) <= sms else 4
-        return {"tn": tn, "mb": 1, "warps": max(1, min(16, kc)), **launch, "loads": loads}
-    if m <= 16:
-        return {"tn": 4 if rows else tiles(0.9 * sms), "mb": 2, "warps": max(1, min(16, kc // 4)), **launch}
-    return {"tn": 4, "mb": 2, "warps": max(1, min(8, kc // 4)), **launch}
+        cfg = {"tn": tn, "mb": 1, "warps": max(1, min(16, kc)), **launch, "loads": loads}
+    elif m <= 16:
+        cfg = {"tn": 4 if rows else tiles(0.9 * sms), "mb": 2, "warps": max(1, min(16, kc // 4)), **launch}
+    else:
+        cfg = {"tn": 4, "mb": 2, "warps": max(1, min(8, kc // 4)), **launch}
+    if group_size and cfg["mb"] == 1 and cfg["tn"] == 4:
+        cfg["warps"] = min(cfg["warps"], 8)
+    return cfg
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,7 +189,7 @@ def linear_mma(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: 
     _check_mma_args(x, tiles, scale, n, k, group_size, rows)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    cfg = _fit_instance(dict(mma_config(x.shape[0], n, k, rows), **(config or {})), group_size)
+    cfg = _fit_instance(dict(mma_config(x.shape[0], n, k, rows, group_size), **(config or {})), group_size)
     launch = extension().ternary_linear_mma_rows if rows else extension().ternary_linear_mma
     return launch(x, tiles, scale, bias, n, k, group_size, act_quant, cfg["tn"], cfg["mb"], cfg["warps"],
                   cfg["loads"], bool(cfg["pdl"]))

@@ -23,10 +23,12 @@ if not os.environ.get("TRITON_INTERPRET"):
     if not _torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+import importlib.util
 import itertools
 import math
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -516,6 +518,29 @@ int main() {
 """
 
 
+def test_revision_build_compiles_out_only_the_op_registrations(monkeypatch):
+    """benchmarks/ternary_group_ab.py builds an earlier ternary.cu beside the installed extension: both
+    TORCH_LIBRARY blocks (whose op names the extension holds) go, whole; every other line stays."""
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+
+    def load(name):
+        spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    monkeypatch.setitem(sys.modules, "kernels", load("kernels"))  # the script's `kernels`: benchmarks/kernels.py
+    module = load("ternary_group_ab")
+    src = (Path(ternary_cuda.__file__).with_name("csrc") / "ternary.cu").read_text()
+    out = module.without_op_registrations(src)
+    blocks = out.split("#if 0\n")[1:]
+    assert len(blocks) == 2, "both TORCH_LIBRARY blocks, once each"
+    assert [b[:b.index("#endif\n")].split("(")[0] for b in blocks] == ["TORCH_LIBRARY", "TORCH_LIBRARY_IMPL"]
+    assert all(b[:b.index("#endif\n")].rstrip().endswith("}") for b in blocks), "each block ends at its brace"
+    assert out.replace("#if 0\n", "").replace("#endif\n", "") == src
+    assert "PYBIND11_MODULE" in out.split("#endif\n")[-1], "the pybind functions stay compiled"
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the C++ rule on the host")
 def test_gemm_cpp_rule_is_python_rule_on_the_host(tmp_path):
     """The C++ op's launch rule (``gemm_auto_config``, compiled on the host with the SM count stubbed) equals
@@ -563,6 +588,20 @@ def test_mma_config_small_m_follows_the_h200_sweep(monkeypatch, m, k, n, want):
     monkeypatch.setattr(ternary_cuda, "_num_sms", lambda: 132)
     cfg = ternary_cuda.mma_config(m, n, k)
     assert (cfg["tn"], cfg["warps"], cfg["loads"]) == want and cfg["mb"] == 1, cfg
+
+
+@pytest.mark.parametrize("m, k, n, group_size, want", [
+    (1, 4096, 14336, 128, (4, 8)), (8, 4096, 14336, 128, (4, 8)), (1, 4096, 14336, 0, (4, 16)),
+    (1, 14336, 4096, 128, (1, 16)), (8, 14336, 4096, 128, (2, 16)), (16, 4096, 14336, 128, (2, 8)),
+])
+def test_mma_config_with_group_scales_fits_two_blocks_an_sm(monkeypatch, m, k, n, group_size, want):
+    """(row tiles, warps) with group scales: at 4 tiles and one token fragment the kernel takes 85-100 registers,
+    so 8 warps a block, which let two blocks share a multiprocessor (H100,
+    benchmarks/results/ternary_group_variants_h100.json: 4096 x 14336 at M = 1 in 10.5 us against 12.5 with 16
+    warps)."""
+    monkeypatch.setattr(ternary_cuda, "_num_sms", lambda: 132)
+    cfg = ternary_cuda._fit_instance(ternary_cuda.mma_config(m, n, k, group_size=group_size), group_size)
+    assert (cfg["tn"], cfg["warps"]) == want, cfg
 
 
 @pytest.mark.parametrize("m, k, n, want", [(1, 4096, 14336, (4, 1, 8, 4)), (4, 4096, 14336, (4, 1, 8, 4)),
@@ -1015,7 +1054,7 @@ def test_gpu_cpp_mma_config_matches_python(m, n, k):
     """The C++ op chooses the configuration Python's mma_config + _fit_instance would."""
     for group_size in (0, 128, 256):
         for rows in (False, True):
-            want = ternary_cuda._fit_instance(ternary_cuda.mma_config(m, n, k, rows), group_size)
+            want = ternary_cuda._fit_instance(ternary_cuda.mma_config(m, n, k, rows, group_size), group_size)
             assert ternary_cuda.mma_cpp_config(m, n, k, group_size, rows) == want, (m, n, k, group_size, rows)
 
 

@@ -419,33 +419,35 @@ __device__ __forceinline__ void store_tile(const float (&acc)[TN][MB][4], float*
   }
 }
 
-// One chunk (CK inputs of TN row tiles) into acc; with group scales the chunk's partial is scaled first
+// The group scales of lane (g, t)'s rows 16 nt + g and + 8 for chunk c (zeros past N or K), CPG chunks a group:
+// loaded with the chunk's weights, so their latency hides behind the weights' and not behind the chunk's MMAs.
+// Groups of one chunk (128 inputs), the usual size, skip the division.
+__device__ __forceinline__ void load_scales(float (&s)[2], const float* __restrict__ scale, int nt, int c, int lane,
+                                            int N, int KC, int G, int CPG) {
+  const int n_lo = nt * TILE_N + (lane >> 2), n_hi = n_lo + 8, grp = CPG == 1 ? c : c / CPG;
+  s[0] = c < KC && n_lo < N ? __ldg(scale + (int64_t)n_lo * G + grp) : 0.f;
+  s[1] = c < KC && n_hi < N ? __ldg(scale + (int64_t)n_hi * G + grp) : 0.f;
+}
+
+// One chunk (CK inputs of TN row tiles) into acc; with group scales the chunk's partial is scaled first by sc
 // (the group size is a multiple of the chunk, so a chunk shares one scale per row).
 template <typename T, int TN, int MB, bool GROUP, int SRC>
 __device__ __forceinline__ void mma_chunk_scaled(float (&acc)[TN][MB][4], const uint4 (&wq)[TN][Src<SRC>::WPT],
-                                                 const uint4 (&xv)[MB][Src<SRC>::NQ], const float* __restrict__ scale,
-                                                 int N, int G, int GS, int nt0, int c) {
+                                                 const uint4 (&xv)[MB][Src<SRC>::NQ], const float (&sc)[TN][2]) {
   static_assert(!GROUP || Src<SRC>::CK == TILE_K, "group scales need chunks of 128 inputs");
   if (!GROUP) {
     mma_chunk<T, TN, MB, SRC>(acc, wq, xv);
     return;
   }
-  const int g = (threadIdx.x & 31) >> 2;
-  float part[TN][MB][4] = {};
-  mma_chunk<T, TN, MB, SRC>(part, wq, xv);
-  const int grp = c * TILE_K / GS;
+  using Tile = const uint4(&)[1][Src<SRC>::WPT];
 #pragma unroll
-  for (int i = 0; i < TN; ++i) {
-    const int n_lo = (nt0 + i) * TILE_N + g, n_hi = n_lo + 8;
-    const float s_lo = n_lo < N ? __ldg(scale + (int64_t)n_lo * G + grp) : 0.f;
-    const float s_hi = n_hi < N ? __ldg(scale + (int64_t)n_hi * G + grp) : 0.f;
+  for (int i = 0; i < TN; ++i) {  // a tile at a time: the partial sums of one tile
+    float part[1][MB][4] = {};
+    mma_chunk<T, 1, MB, SRC>(part, reinterpret_cast<Tile>(wq[i]), xv);
 #pragma unroll
-    for (int mb = 0; mb < MB; ++mb) {
-      acc[i][mb][0] = fmaf(part[i][mb][0], s_lo, acc[i][mb][0]);
-      acc[i][mb][1] = fmaf(part[i][mb][1], s_lo, acc[i][mb][1]);
-      acc[i][mb][2] = fmaf(part[i][mb][2], s_hi, acc[i][mb][2]);
-      acc[i][mb][3] = fmaf(part[i][mb][3], s_hi, acc[i][mb][3]);
-    }
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][mb][r] = fmaf(part[0][mb][r], sc[i][r >> 1], acc[i][mb][r]);
   }
 }
 
@@ -456,7 +458,7 @@ template <typename T, int TN, int MB, int L, bool GROUP, int SRC>
 __global__ void __launch_bounds__(512)
 mma_kernel(const T* __restrict__ x, int64_t sxm, const void* __restrict__ w, const float* __restrict__ scale,
            const float* __restrict__ bias, const float* __restrict__ sx, T* __restrict__ y, int M, int N, int K,
-           int NT, int KC, int KW, int G, int GS, bool xvec, bool wvec) {
+           int NT, int KC, int KW, int G, int CPG, bool xvec, bool wvec) {
   using S = Src<SRC>;
   extern __shared__ float red[];
   constexpr int U = L / (TN * S::WPT) > 0 ? L / (TN * S::WPT) : 1;  // chunks per iteration
@@ -469,11 +471,15 @@ mma_kernel(const T* __restrict__ x, int64_t sxm, const void* __restrict__ w, con
 
   for (int c0 = warp; c0 < KC; c0 += nwarps * U) {
     uint4 wq[U][TN][S::WPT];
+    float sc[U][TN][2];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * nwarps;
 #pragma unroll
-      for (int i = 0; i < TN; ++i) load_weights<SRC>(wq[u][i], w, nt0 + i, c, lane, NT, KC, N, KW, wvec);
+      for (int i = 0; i < TN; ++i) {
+        load_weights<SRC>(wq[u][i], w, nt0 + i, c, lane, NT, KC, N, KW, wvec);
+        if constexpr (GROUP) load_scales(sc[u][i], scale, nt0 + i, c, lane, N, KC, G, CPG);
+      }
     }
     pdl_wait();
 #pragma unroll
@@ -484,7 +490,7 @@ mma_kernel(const T* __restrict__ x, int64_t sxm, const void* __restrict__ w, con
 #pragma unroll
       for (int mb = 0; mb < MB; ++mb)
         load_x<T, S::NQ>(xv[mb], x, sxm, m0 + mb * 8 + g, M, K, c * S::CK + (S::CK / 4) * t, xvec);
-      mma_chunk_scaled<T, TN, MB, GROUP, SRC>(acc, wq[u], xv, scale, N, G, GS, nt0, c);
+      mma_chunk_scaled<T, TN, MB, GROUP, SRC>(acc, wq[u], xv, sc[u]);
     }
   }
   pdl_wait();  // warps without a chunk
@@ -497,7 +503,7 @@ struct MmaArgs {
   int64_t sxm;
   const float* bias;
   const float* sx;
-  int M, N, K, KW, G, GS, warps;
+  int M, N, K, KW, G, CPG, warps;  // CPG: chunks (128 inputs) a scale group
   bool xvec, wvec, pdl;
   cudaStream_t stream;
 };
@@ -513,7 +519,7 @@ void launch_mma_cfg(const T* xp, const torch::Tensor& w, const torch::Tensor& sc
            (reinterpret_cast<uintptr_t>(w.data_ptr()) & (4 * vec_words - 1)) == 0;
   launch_kernel(mma_kernel<T, TN, MB, L, GROUP, SRC>, grid, 32 * a.warps, smem, a.pdl, a.stream, xp, a.sxm,
                 (const void*)w.data_ptr<int32_t>(), (const float*)scale.data_ptr<float>(), a.bias, a.sx, yp, a.M, a.N,
-                a.K, NT, KC, a.KW, a.G, a.GS, a.xvec, a.wvec);
+                a.K, NT, KC, a.KW, a.G, a.CPG, a.xvec, a.wvec);
 }
 
 // The source of an instance on the row layout: 16-byte loads a row (chunks of 256 inputs) where the registers
@@ -567,7 +573,7 @@ void launch_mma(const torch::Tensor& x, const torch::Tensor& w, bool rows, const
   }
   a.xvec = (reinterpret_cast<uintptr_t>(xp) & 15) == 0 && (a.sxm * (int64_t)sizeof(T)) % 16 == 0;
   const bool group = group_size > 0;
-  a.GS = group ? group_size : 1;
+  a.CPG = group ? group_size / TILE_K : 1;
   T* yp = reinterpret_cast<T*>(y.data_ptr());
   if (rows)
     dispatch_mma<T, true>(xp, w, scale, yp, a, tn, mb, loads, group);
@@ -862,6 +868,8 @@ MmaCfg mma_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size, int 
     c.mb = 2;
     c.warps = (int)std::max<int64_t>(1, std::min<int64_t>(8, kc / 4));
   }
+  // Group scales at 4 tiles and one fragment take 85-100 registers: 8 warps, so that two blocks share an SM.
+  if (group_size && c.mb == 1 && c.tn == 4) c.warps = std::min(c.warps, 8);
   if (c.mb != 1 || group_size) c.loads = 4;
   if (group_size && c.mb == 2) c.tn = std::min(c.tn, 2);
   return c;
