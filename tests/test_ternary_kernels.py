@@ -498,6 +498,21 @@ def test_gemm_ws_block_tokens_take_the_fewer_waves(monkeypatch):
     assert ternary_cuda.gemm_config(300, 14336, 4096, 128)["bn"] == 128, "group scales: the register-A kernel's"
 
 
+def _host_rule(tmp_path, program: str):
+    """``program`` (a launch rule and a main reading cases from stdin) built on the host with g++; the returned
+    function answers every case, one line of integers each, with the SM count ``sms``."""
+    (tmp_path / "rule.cpp").write_text(program)
+    subprocess.run(["g++", "-std=c++17", "-o", str(tmp_path / "rule"), str(tmp_path / "rule.cpp")], check=True)
+
+    def answer(cases, sms: int) -> list[list[int]]:
+        out = subprocess.run([str(tmp_path / "rule")], input="\n".join(" ".join(map(str, c)) for c in cases),
+                             capture_output=True, text=True, check=True, env={"SMS": str(sms)}).stdout.split("\n")
+        assert len(out) == len(cases) + 1 and out[-1] == "", f"the host build answered {len(out) - 1} of {len(cases)}"
+        return [list(map(int, line.split())) for line in out[:-1]]
+
+    return answer
+
+
 _GEMM_RULE_HOST = r"""
 #include <cstdint>
 #include <cstdio>
@@ -547,20 +562,58 @@ def test_gemm_cpp_rule_is_python_rule_on_the_host(tmp_path):
     ``gemm_config`` on a grid of shapes, so that CI checks it where no GPU runs the op."""
     src = (Path(ternary_cuda.__file__).with_name("csrc") / "ternary_gemm.cu").read_text()
     start, end = src.index("constexpr int64_t WS_MIN_M"), src.index("// x (..., K) through the GEMM")
-    (tmp_path / "rule.cpp").write_text(_GEMM_RULE_HOST % src[start:end])
-    subprocess.run(["g++", "-std=c++17", "-o", str(tmp_path / "rule"), str(tmp_path / "rule.cpp")], check=True)
+    answer = _host_rule(tmp_path, _GEMM_RULE_HOST % src[start:end])
     cases = list(itertools.product((1, 33, 64, 65, 128, 129, 200, 256, 300, 384, 385, 512, 640, 896, 1023, 4000),
                                    (64, 4096, 11008, 12288, 14336, 22016), (256, 4096, 11008, 14336), (0, 128)))
     for sms in (78, 132):
-        out = subprocess.run([str(tmp_path / "rule")], input="\n".join(" ".join(map(str, c)) for c in cases),
-                             capture_output=True, text=True, check=True, env={"SMS": str(sms)}).stdout.split("\n")
-        assert len(out) == len(cases) + 1 and out[-1] == "", f"the host build answered {len(out) - 1} of {len(cases)}"
+        out = answer(cases, sms)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(ternary_cuda, "_num_sms", lambda: sms)
-            for (m, n, k, g), line in zip(cases, out):
-                bn, wg, stages, split, ws = map(int, line.split())
+            for (m, n, k, g), (bn, wg, stages, split, ws) in zip(cases, out):
                 assert ternary_cuda.gemm_config(m, n, k, g) == dict(bn=bn, wg=wg, stages=stages, split=split,
                                                                       ws=bool(ws)), (sms, m, n, k, g)
+
+
+_MMA_RULE_HOST = r"""
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+constexpr int TILE_N = 16, TILE_K = 128;
+namespace parity {
+struct DeviceInfo { int sms = 0, major = 0, minor = 0; };
+inline DeviceInfo device_info(int) { DeviceInfo d; d.sms = atoi(getenv("SMS")); d.major = 9; return d; }
+}
+%s
+int main() {
+  long m, n, k, g, rows;
+  while (scanf("%%ld %%ld %%ld %%ld %%ld", &m, &n, &k, &g, &rows) == 5) {
+    const MmaCfg c = mma_auto_config(m, n, k, g, 0, rows != 0);
+    printf("%%d %%d %%d %%d %%d\n", c.tn, c.mb, c.warps, c.loads, (int)c.pdl);
+  }
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the C++ rule on the host")
+def test_mma_cpp_rule_is_python_rule_on_the_host(tmp_path, monkeypatch):
+    """The C++ op's launch rule of the tensor-core kernel (``mma_auto_config``, compiled on the host with the SM
+    count stubbed, compute capability 9) equals ``mma_config`` + ``_fit_instance`` with and without group scales,
+    on both layouts, so that CI checks what only a GPU test did."""
+    src = (Path(ternary_cuda.__file__).with_name("csrc") / "ternary.cu").read_text()
+    start, end = src.index("struct MmaCfg {"), src.index("std::vector<int64_t> mma_auto_config_py")
+    answer = _host_rule(tmp_path, _MMA_RULE_HOST % src[start:end])
+    cases = list(itertools.product((1, 3, 4, 5, 8, 9, 16, 17, 40, 64, 200), (77, 200, 2048, 4096, 14336),
+                                   (256, 1000, 4096, 14336), (0, 128, 256), (0, 1)))
+    monkeypatch.delenv(ternary_cuda.ENV_PDL, raising=False)
+    monkeypatch.setattr(ternary_cuda, "_pdl_supported", lambda: True)
+    for sms in (78, 132):
+        out = answer(cases, sms)
+        monkeypatch.setattr(ternary_cuda, "_num_sms", lambda: sms)
+        for (m, n, k, g, rows), (tn, mb, warps, loads, pdl) in zip(cases, out):
+            want = ternary_cuda._fit_instance(ternary_cuda.mma_config(m, n, k, bool(rows), g), g)
+            assert want == dict(tn=tn, mb=mb, warps=warps, loads=loads, pdl=bool(pdl)), (sms, m, n, k, g, rows)
 
 
 def test_mma_dependent_launch_follows_the_device_and_the_environment(monkeypatch):

@@ -824,7 +824,7 @@ torch::Tensor ternary_dequant_tiles(const torch::Tensor& tiles, const torch::Ten
 // The tensor-core kernel as a C++ op (TORCH_LIBRARY below): the configuration is chosen here, from
 // the shape and the device's multiprocessor count (read once per device), so an eager call runs no
 // Python between torch's dispatcher and the launch. Same rules as kernels/ternary_cuda.mma_config +
-// _fit_instance (a GPU test compares the two).
+// _fit_instance (compared on the host by test_mma_cpp_rule_is_python_rule_on_the_host, through the op on a GPU).
 struct MmaCfg {
   int tn, mb, warps, loads;
   bool pdl;
