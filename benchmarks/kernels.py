@@ -733,15 +733,19 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(4096, 14336), (14336, 4096)] if args.quick else SHAPES
     ms = [int(v) for v in args.ms.split(",")] if args.ms else [1, 16, 512] if args.quick else MS
     result = dict(header=header, rows=[], sweep=[], int8x=[], floor=[], eager=[])
+    out_path = Path(args.out)
+
+    def save():  # also between stages: what is measured survives a failing stage or a time limit
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=1))
+
     if args.only_int8x_planes:
         result["int8x"] = int8x_planes_rows(copy_gbps)
         if args.planes_sweep:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))  # the rows survive a failing sweep
+            save()
             result["planes_sweep"] = int8x_planes_sweep(copy_gbps)
         header["seconds"] = round(time.time() - t0, 1)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        save()
         print(f"wrote {args.out}")
         return 0
     if args.floor:
@@ -754,32 +758,29 @@ def main(argv: list[str] | None = None) -> int:
         result["sweep"] += sweep_mma(copy_gbps)
     if args.gemm_sweep and "cuda_gemm" in kernels:
         result["sweep"] += sweep_gemm(copy_gbps)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        save()
     if args.rows_sweep and "cuda_mma" in kernels:
         result["sweep"] += sweep_mma(copy_gbps, rows=True)
+        save()
     if args.group_sweep and "cuda_mma" in kernels:
         result["sweep"] += sweep_mma(copy_gbps, group_size=128)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+        save()
     if args.only_int8x:
         shapes = []
     for k, n in shapes:
         result["rows"] += bench_shape(k, n, ms, kernels, copy_gbps, "seed-article")
-        out_path.write_text(json.dumps(result, indent=1))  # partial results survive a time limit
+        save()
     # The BitNet layout (activation quantization, divide, tensor scale) at the two target shapes.
     for k, n in [] if args.only_int8x or args.no_bitnet else [(4096, 14336), (14336, 4096)]:
         result["rows"] += bench_shape(k, n, [1, 16, 128, 512], ["ternary", "tiles_linear", "triton_mm"], copy_gbps,
                                       "hf-bitnet")
-        out_path.write_text(json.dumps(result, indent=1))
+        save()
     # Group scales of 128 inputs: the kernels each copy of the weight serves them with.
     for k, n in [(4096, 14336), (14336, 4096)] if args.group else []:
         result["rows"] += bench_shape(k, n, [1, 16, 64, 128, 256, 512], ["ternary", "tiles_linear", "triton_mm",
                                                                       "cuda_mma", "cuda_dequant"], copy_gbps,
                                       "group-128")
-        out_path.write_text(json.dumps(result, indent=1))
+        save()
     if not args.no_int8x and Path("kernels/int8x_ops.py").exists() and Path("kernels/int8x_triton.py").exists():
         try:
             result["int8x"] = int8x_rows(copy_gbps)
@@ -790,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
             result["int8x"] = [dict(error=f"{type(exc).__name__}: {exc}"[:500])]
             print(f"int8x: FAILED {exc}", file=sys.stderr)
     header["seconds"] = round(time.time() - t0, 1)
-    out_path.write_text(json.dumps(result, indent=1))
+    save()
     print(summary(result))
     print(f"wrote {args.out}")
     return 0
