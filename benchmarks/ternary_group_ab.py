@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import graph_us, rotated, spec_of, ternary_weights  # noqa: E402
 
 from vllm_parity.serving import ternary_cuda  # noqa: E402
-from vllm_parity.serving.cuda_build import CSRC, arch_flags, available  # noqa: E402
+from vllm_parity.serving.cuda_build import LazyExtension, available  # noqa: E402
 
 SHAPES = ((4096, 14336), (14336, 4096))  # (K, N)
 
@@ -44,10 +44,7 @@ def build_revision(rev: str):
     path = os.path.join(tempfile.mkdtemp(), "ternary_rev.cu")
     with open(path, "w") as f:
         f.write(without_op_registrations(source))
-    from torch.utils.cpp_extension import load
-
-    return load(name=f"ternary_rev_{re.sub(r'[^0-9A-Za-z]', '_', rev)}", sources=[path], extra_cflags=["-O3"],
-                extra_cuda_cflags=["-O3", "-std=c++17", f"-I{CSRC}", *arch_flags()])
+    return LazyExtension(f"ternary_rev_{re.sub(r'[^0-9A-Za-z]', '_', rev)}", path, f"ternary.cu of {rev}")()
 
 
 def shape_rows(before, k: int, n: int, group: int, ms) -> list[dict]:

@@ -40,7 +40,9 @@ def arch_flags() -> list[str]:
 
 
 class LazyExtension:
-    """One ``csrc`` source as a Python module, built on the first call; ``module`` stays None until then."""
+    """One ``csrc`` source as a Python module, built on the first call; ``module`` stays None until then. A source
+    given by an absolute path elsewhere (an earlier revision's, in benchmarks) is built the same way and finds
+    ``csrc``'s headers."""
 
     def __init__(self, name: str, source: str, what: str):
         self.name, self.source, self.what = name, CSRC / source, what
@@ -57,5 +59,6 @@ class LazyExtension:
 
                     self.module = load(name=self.name, sources=[str(self.source)], extra_cflags=["-O3"],
                                        extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags()],
+                                       extra_include_paths=None if self.source.parent == CSRC else [str(CSRC)],
                                        verbose=os.environ.get("PARITY_CUDA_VERBOSE") == "1")
         return self.module

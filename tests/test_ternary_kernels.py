@@ -498,10 +498,12 @@ def test_gemm_ws_block_tokens_take_the_fewer_waves(monkeypatch):
     assert ternary_cuda.gemm_config(300, 14336, 4096, 128)["bn"] == 128, "group scales: the register-A kernel's"
 
 
-def _host_rule(tmp_path, program: str):
-    """``program`` (a launch rule and a main reading cases from stdin) built on the host with g++; the returned
-    function answers every case, one line of integers each, with the SM count ``sms``."""
-    (tmp_path / "rule.cpp").write_text(program)
+def _host_rule(tmp_path, program: str, source: str, start: str, end: str):
+    """``program`` (a main reading cases from stdin) around the launch rule of ``csrc/<source>`` from the line
+    ``start`` to ``end``, built on the host with g++; the returned function answers every case, one line of
+    integers each, with the SM count ``sms``."""
+    src = (Path(ternary_cuda.__file__).with_name("csrc") / source).read_text()
+    (tmp_path / "rule.cpp").write_text(program % src[src.index(start):src.index(end)])
     subprocess.run(["g++", "-std=c++17", "-o", str(tmp_path / "rule"), str(tmp_path / "rule.cpp")], check=True)
 
     def answer(cases, sms: int) -> list[list[int]]:
@@ -557,21 +559,19 @@ def test_revision_build_compiles_out_only_the_op_registrations(monkeypatch):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the C++ rule on the host")
-def test_gemm_cpp_rule_is_python_rule_on_the_host(tmp_path):
+def test_gemm_cpp_rule_is_python_rule_on_the_host(tmp_path, monkeypatch):
     """The C++ op's launch rule (``gemm_auto_config``, compiled on the host with the SM count stubbed) equals
     ``gemm_config`` on a grid of shapes, so that CI checks it where no GPU runs the op."""
-    src = (Path(ternary_cuda.__file__).with_name("csrc") / "ternary_gemm.cu").read_text()
-    start, end = src.index("constexpr int64_t WS_MIN_M"), src.index("// x (..., K) through the GEMM")
-    answer = _host_rule(tmp_path, _GEMM_RULE_HOST % src[start:end])
+    answer = _host_rule(tmp_path, _GEMM_RULE_HOST, "ternary_gemm.cu", "constexpr int64_t WS_MIN_M",
+                        "// x (..., K) through the GEMM")
     cases = list(itertools.product((1, 33, 64, 65, 128, 129, 200, 256, 300, 384, 385, 512, 640, 896, 1023, 4000),
                                    (64, 4096, 11008, 12288, 14336, 22016), (256, 4096, 11008, 14336), (0, 128)))
     for sms in (78, 132):
         out = answer(cases, sms)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(ternary_cuda, "_num_sms", lambda: sms)
-            for (m, n, k, g), (bn, wg, stages, split, ws) in zip(cases, out):
-                assert ternary_cuda.gemm_config(m, n, k, g) == dict(bn=bn, wg=wg, stages=stages, split=split,
-                                                                      ws=bool(ws)), (sms, m, n, k, g)
+        monkeypatch.setattr(ternary_cuda, "_num_sms", lambda: sms)
+        for (m, n, k, g), (bn, wg, stages, split, ws) in zip(cases, out):
+            assert ternary_cuda.gemm_config(m, n, k, g) == dict(bn=bn, wg=wg, stages=stages, split=split,
+                                                                  ws=bool(ws)), (sms, m, n, k, g)
 
 
 _MMA_RULE_HOST = r"""
@@ -601,9 +601,8 @@ def test_mma_cpp_rule_is_python_rule_on_the_host(tmp_path, monkeypatch):
     """The C++ op's launch rule of the tensor-core kernel (``mma_auto_config``, compiled on the host with the SM
     count stubbed, compute capability 9) equals ``mma_config`` + ``_fit_instance`` with and without group scales,
     on both layouts, so that CI checks what only a GPU test did."""
-    src = (Path(ternary_cuda.__file__).with_name("csrc") / "ternary.cu").read_text()
-    start, end = src.index("struct MmaCfg {"), src.index("std::vector<int64_t> mma_auto_config_py")
-    answer = _host_rule(tmp_path, _MMA_RULE_HOST % src[start:end])
+    answer = _host_rule(tmp_path, _MMA_RULE_HOST, "ternary.cu", "struct MmaCfg {",
+                        "std::vector<int64_t> mma_auto_config_py")
     cases = list(itertools.product((1, 3, 4, 5, 8, 9, 16, 17, 40, 64, 200), (77, 200, 2048, 4096, 14336),
                                    (256, 1000, 4096, 14336), (0, 128, 256), (0, 1)))
     monkeypatch.delenv(ternary_cuda.ENV_PDL, raising=False)
