@@ -108,8 +108,9 @@ def mma_config(m: int, n: int, k: int, rows: bool = False, group_size: int = 0) 
     above, 4 tiles and up to 8 warps per block. On the row layout (``rows``) up to 8 tokens: as many tiles as
     leave 0.9 blocks per multiprocessor, a warp for every two 256-input chunks (up to 16), 4 loads in flight;
     9-16 tokens: 4 tiles a block (the H200 sweep of the row layout in benchmarks/NOTES.md). With ``group_size``
-    scales at 4 tiles and one fragment, at most 8 warps: that kernel takes 85-100 registers, so a 16-warp block
-    would be alone on its multiprocessor (the H100 A/B in benchmarks/NOTES.md).
+    scales at 4 tiles and one fragment, at most 8 warps: that kernel takes 80 registers (84-100 where the scales
+    are loaded with the weights instead of staged in shared memory), so a 16-warp block would be alone on its
+    multiprocessor (the H100 A/Bs in benchmarks/NOTES.md).
     """
     sms = _num_sms()
     nt, kc = -(-n // 16), -(-k // 128)

@@ -647,8 +647,8 @@ def test_mma_config_small_m_follows_the_h200_sweep(monkeypatch, m, k, n, want):
     (1, 14336, 4096, 128, (1, 16)), (8, 14336, 4096, 128, (2, 16)), (16, 4096, 14336, 128, (2, 8)),
 ])
 def test_mma_config_with_group_scales_fits_two_blocks_an_sm(monkeypatch, m, k, n, group_size, want):
-    """(row tiles, warps) with group scales: at 4 tiles and one token fragment the kernel takes 85-100 registers,
-    so 8 warps a block, which let two blocks share a multiprocessor (H100,
+    """(row tiles, warps) with group scales: at 4 tiles and one token fragment the kernel takes 80 registers (84-100
+    with the scales loaded beside the weights), so 8 warps a block, which let two blocks share a multiprocessor (H100,
     benchmarks/results/ternary_group_variants_h100.json: 4096 x 14336 at M = 1 in 10.5 us against 12.5 with 16
     warps)."""
     monkeypatch.setattr(ternary_cuda, "_num_sms", lambda: 132)
@@ -999,6 +999,25 @@ def test_gpu_mma_every_instance(tn, mb, loads, warps, pdl, rows):
                                       nat.group_size, nat.act_quant,
                                       config=dict(tn=tn, mb=mb, loads=loads, warps=warps, pdl=pdl), rows=rows)
         check(out, built, case, f"cuda_mma tn={tn} mb={mb} loads={loads} warps={warps} pdl={pdl} rows={rows}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tn, mb, warps", [(1, 1, 16), (4, 1, 8), (2, 2, 5)])
+@pytest.mark.parametrize("rows", [False, True])
+def test_gpu_mma_group_scales_past_shared_memory(tn, mb, warps, rows):
+    """Group scales the kernel cannot stage in shared memory (over 64 KB at every launch: K = 140800 in groups of
+    128 and 256) are loaded with each chunk's weights instead; ragged N and M."""
+    for i, group in enumerate((128, 256)):
+        case = dict(spec=TernarySpec(scale_granularity="group", group_size=group), m=3 + 6 * i, n=40, k=140800,
+                    dtype=(torch.float16, torch.bfloat16)[i], scale_dtype=torch.float32, weights="random",
+                    activations="normal", layout="contiguous", bias=i == 0, seed=300 + i)
+        built = build(case, "cuda")
+        nat = built["native"].with_tiles()
+        out = ternary_cuda.linear_mma(built["x"], nat.qweight if rows else nat.tiles, nat.scale, built["bias"],
+                                      nat.n, nat.k, nat.group_size, nat.act_quant,
+                                      config=dict(tn=tn, mb=mb, loads=4, warps=warps, pdl=True), rows=rows)
+        check(out, built, case, f"cuda_mma K=140800 group {group} tn={tn} mb={mb} warps={warps} rows={rows}")
 
 
 @pytest.mark.gpu

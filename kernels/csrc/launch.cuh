@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <algorithm>
 #include <mutex>
 #include <vector>
 
@@ -21,7 +22,7 @@ void set_smem(K kernel, int64_t bytes) {
 // an op's call path must not query the driver.
 struct DeviceInfo {
   int sms = 0, major = 0, minor = 0;
-  int64_t smem_optin = 0;
+  int64_t smem_optin = 0, smem_per_sm = 0, smem_reserved = 0;  // a block's most; a multiprocessor's; kept a block
 };
 
 inline DeviceInfo device_info(int dev) {
@@ -32,9 +33,16 @@ inline DeviceInfo device_info(int dev) {
   if (known[dev].sms == 0) {
     cudaDeviceProp prop;
     C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    known[dev] = DeviceInfo{prop.multiProcessorCount, prop.major, prop.minor, (int64_t)prop.sharedMemPerBlockOptin};
+    known[dev] = DeviceInfo{prop.multiProcessorCount, prop.major, prop.minor, (int64_t)prop.sharedMemPerBlockOptin,
+                            (int64_t)prop.sharedMemPerMultiprocessor, (int64_t)prop.reservedSharedMemPerBlock};
   }
   return known[dev];
+}
+
+// Dynamic shared memory that keeps a kernel to at most `blocks` blocks a multiprocessor (where its registers would
+// allow more): spread over every multiprocessor, a grid of up to `blocks` per multiprocessor runs in one even wave.
+inline int64_t smem_for_blocks_per_sm(const DeviceInfo& info, int64_t blocks) {
+  return std::min(info.smem_optin, info.smem_per_sm / (blocks + 1) - info.smem_reserved + 1);
 }
 
 // Programmatic dependent launch (sm_90): the next kernel in the stream may start once every block of this one has

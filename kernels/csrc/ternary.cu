@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "cp_async.cuh"
 #include "dtypes.cuh"
 #include "launch.cuh"
 #include "ternary_tiles.cuh"
@@ -429,11 +430,12 @@ __device__ __forceinline__ void load_scales(float (&s)[2], const float* __restri
   s[1] = c < KC && n_hi < N ? __ldg(scale + (int64_t)n_hi * G + grp) : 0.f;
 }
 
-// One chunk (CK inputs of TN row tiles) into acc; with group scales the chunk's partial is scaled first by sc
-// (the group size is a multiple of the chunk, so a chunk shares one scale per row).
-template <typename T, int TN, int MB, bool GROUP, int SRC>
+// One chunk (CK inputs of TN row tiles) into acc; with group scales the chunk's partial of tile i is scaled first
+// by scales(i), lane (g, t)'s rows g and g + 8 (the group size is a multiple of the chunk, so a chunk shares one scale
+// per row); asked a tile at a time, so that staged scales are read from shared memory only as each tile needs them.
+template <typename T, int TN, int MB, bool GROUP, int SRC, typename Scales>
 __device__ __forceinline__ void mma_chunk_scaled(float (&acc)[TN][MB][4], const uint4 (&wq)[TN][Src<SRC>::WPT],
-                                                 const uint4 (&xv)[MB][Src<SRC>::NQ], const float (&sc)[TN][2]) {
+                                                 const uint4 (&xv)[MB][Src<SRC>::NQ], Scales scales) {
   static_assert(!GROUP || Src<SRC>::CK == TILE_K, "group scales need chunks of 128 inputs");
   if (!GROUP) {
     mma_chunk<T, TN, MB, SRC>(acc, wq, xv);
@@ -444,17 +446,38 @@ __device__ __forceinline__ void mma_chunk_scaled(float (&acc)[TN][MB][4], const 
   for (int i = 0; i < TN; ++i) {  // a tile at a time: the partial sums of one tile
     float part[1][MB][4] = {};
     mma_chunk<T, 1, MB, SRC>(part, reinterpret_cast<Tile>(wq[i]), xv);
+    const float2 sc = scales(i);
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) acc[i][mb][r] = fmaf(part[0][mb][r], sc[i][r >> 1], acc[i][mb][r]);
+      for (int r = 0; r < 4; ++r) acc[i][mb][r] = fmaf(part[0][mb][r], r < 2 ? sc.x : sc.y, acc[i][mb][r]);
   }
+}
+
+// Group scales staged in shared memory: each warp copies those of its own chunks (j-th chunk c = warp + j W) to
+// its slots before its first chunk, by cp.async, so that no registers hold them while they arrive (with them held,
+// the kernel took 84-100 registers at 4 tiles against the seed layout's 64). Slot ((j TN + i) 8 + g) 2 + h holds row
+// 16 (nt0 + i) + g + 8 h: lane (g, t) reads its two rows of a tile as one float2, the 8 rows of a warp in 8 banks.
+template <int TN>
+__device__ __forceinline__ void stage_scales(float* slots, const float* __restrict__ scale, int nt0, int warp,
+                                             int nwarps, int lane, int N, int KC, int G, int CPG) {
+  const int chunks = warp < KC ? (KC - warp + nwarps - 1) / nwarps : 0;
+  for (int e = lane; e < chunks * TN * TILE_N; e += 32) {
+    const int j = e / (TN * TILE_N), i = (e >> 4) % TN, h = e & 1, g = (e >> 1) & 7;
+    const int n = (nt0 + i) * TILE_N + g + 8 * h, c = warp + j * nwarps, grp = CPG == 1 ? c : c / CPG;
+    parity::cp_async4(parity::smem_addr(slots + e), scale + (int64_t)min(n, N - 1) * G + grp, n < N ? 4 : 0);
+  }
+}
+
+// Shared-memory floats of the staged scales: W warps, ceil(KC / W) chunks each.
+__host__ __device__ constexpr int64_t staged_floats(int tn, int warps, int kc) {
+  return (int64_t)warps * ((kc + warps - 1) / warps) * tn * TILE_N;
 }
 
 // Block of the tensor-core kernel: TN row tiles x MB * 8 tokens. Each iteration a warp requests L
 // weight uint4 per lane (U = L / (TN * WPT) chunks of its TN tiles, L * 512 bytes per warp) before decoding
 // the first; B fragments come from global memory (x is small and stays in L2).
-template <typename T, int TN, int MB, int L, bool GROUP, int SRC>
+template <typename T, int TN, int MB, int L, bool GROUP, int SRC, bool STAGE>
 __global__ void __launch_bounds__(512)
 mma_kernel(const T* __restrict__ x, int64_t sxm, const void* __restrict__ w, const float* __restrict__ scale,
            const float* __restrict__ bias, const float* __restrict__ sx, T* __restrict__ y, int M, int N, int K,
@@ -468,20 +491,27 @@ mma_kernel(const T* __restrict__ x, int64_t sxm, const void* __restrict__ w, con
   const int nt0 = blockIdx.x * TN;
   const int m0 = blockIdx.y * MB * 8;
   float acc[TN][MB][4] = {};
+  // STAGE: the warp's group scales, after the block's partial sums (red)
+  float* slots = red + nwarps * TN * MB * 4 * 32 + (STAGE ? staged_floats(TN, nwarps, KC) / nwarps * warp : 0);
+  if constexpr (STAGE) stage_scales<TN>(slots, scale, nt0, warp, nwarps, lane, N, KC, G, CPG);
 
-  for (int c0 = warp; c0 < KC; c0 += nwarps * U) {
+  for (int c0 = warp, j0 = 0; c0 < KC; c0 += nwarps * U, j0 += U) {
     uint4 wq[U][TN][S::WPT];
-    float sc[U][TN][2];
+    float sc[STAGE ? 1 : U][TN][2];  // loaded with the weights unless staged
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * nwarps;
 #pragma unroll
       for (int i = 0; i < TN; ++i) {
         load_weights<SRC>(wq[u][i], w, nt0 + i, c, lane, NT, KC, N, KW, wvec);
-        if constexpr (GROUP) load_scales(sc[u][i], scale, nt0 + i, c, lane, N, KC, G, CPG);
+        if constexpr (GROUP && !STAGE) load_scales(sc[u][i], scale, nt0 + i, c, lane, N, KC, G, CPG);
       }
     }
     pdl_wait();
+    if constexpr (STAGE) {  // the first time: the copies above have landed and every lane's are visible
+      parity::cp_async_wait<0>();
+      __syncwarp();
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * nwarps;
@@ -490,7 +520,10 @@ mma_kernel(const T* __restrict__ x, int64_t sxm, const void* __restrict__ w, con
 #pragma unroll
       for (int mb = 0; mb < MB; ++mb)
         load_x<T, S::NQ>(xv[mb], x, sxm, m0 + mb * 8 + g, M, K, c * S::CK + (S::CK / 4) * t, xvec);
-      mma_chunk_scaled<T, TN, MB, GROUP, SRC>(acc, wq[u], xv, sc[u]);
+      const float2* staged = reinterpret_cast<const float2*>(slots) + (j0 + u) * TN * 8 + g;
+      mma_chunk_scaled<T, TN, MB, GROUP, SRC>(acc, wq[u], xv, [&](int i) {
+        return STAGE ? staged[i * 8] : make_float2(sc[STAGE ? 0 : u][i][0], sc[STAGE ? 0 : u][i][1]);
+      });
     }
   }
   pdl_wait();  // warps without a chunk
@@ -508,16 +541,33 @@ struct MmaArgs {
   cudaStream_t stream;
 };
 
+// Group scales are staged in shared memory at one token fragment where they take at most this much (K up to 65536
+// at 4 tiles); above, and at two fragments (where staging measured no faster), each chunk's are loaded with its
+// weights.
+constexpr int64_t STAGED_SCALES_MAX_BYTES = 64 * 1024;
+
 template <typename T, int TN, int MB, int L, bool GROUP, int SRC>
 void launch_mma_cfg(const T* xp, const torch::Tensor& w, const torch::Tensor& scale, T* yp, MmaArgs a) {
   const int NT = (a.N + TILE_N - 1) / TILE_N, KC = (a.K + Src<SRC>::CK - 1) / Src<SRC>::CK;
   dim3 grid((NT + TN - 1) / TN, (a.M + MB * 8 - 1) / (MB * 8));
-  const int smem = a.warps * TN * MB * 4 * 32 * (int)sizeof(float);
+  const int64_t red = (int64_t)a.warps * TN * MB * 4 * 32 * sizeof(float);
+  const int64_t staged = GROUP ? staged_floats(TN, a.warps, KC) * (int64_t)sizeof(float) : 0;
+  constexpr bool STAGE = GROUP && MB == 1;
+  const bool stage = STAGE && staged <= STAGED_SCALES_MAX_BYTES;
+  int64_t smem = red + (stage ? staged : 0);
+  // Staged, the kernel takes 64 registers at 1 and 2 tiles and 80 at 4, so more blocks may share a multiprocessor
+  // than the grid needs: at most as many as one even wave takes (the H100 A/B in benchmarks/NOTES.md).
+  if (stage) {
+    const parity::DeviceInfo info = parity::device_info(c10::cuda::current_device());
+    const int64_t per_sm = ((int64_t)grid.x * grid.y + info.sms - 1) / info.sms;
+    if (per_sm <= 3) smem = std::max(smem, parity::smem_for_blocks_per_sm(info, per_sm));
+  }
   // The row layout: a vector load a row where every row starts aligned to it.
   const int vec_words = SRC == SRC_ROWS16 ? 4 : 2;
   a.wvec = SRC != SRC_TILES && a.KW % vec_words == 0 &&
            (reinterpret_cast<uintptr_t>(w.data_ptr()) & (4 * vec_words - 1)) == 0;
-  launch_kernel(mma_kernel<T, TN, MB, L, GROUP, SRC>, grid, 32 * a.warps, smem, a.pdl, a.stream, xp, a.sxm,
+  auto kern = stage ? mma_kernel<T, TN, MB, L, GROUP, SRC, STAGE> : mma_kernel<T, TN, MB, L, GROUP, SRC, false>;
+  launch_kernel(kern, grid, 32 * a.warps, (int)smem, a.pdl, a.stream, xp, a.sxm,
                 (const void*)w.data_ptr<int32_t>(), (const float*)scale.data_ptr<float>(), a.bias, a.sx, yp, a.M, a.N,
                 a.K, NT, KC, a.KW, a.G, a.CPG, a.xvec, a.wvec);
 }
@@ -868,7 +918,8 @@ MmaCfg mma_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size, int 
     c.mb = 2;
     c.warps = (int)std::max<int64_t>(1, std::min<int64_t>(8, kc / 4));
   }
-  // Group scales at 4 tiles and one fragment take 85-100 registers: 8 warps, so that two blocks share an SM.
+  // Group scales at 4 tiles and one fragment take 80 registers (staged; 84-100 loaded with the weights): 8 warps, so
+  // that two blocks share an SM.
   if (group_size && c.mb == 1 && c.tn == 4) c.warps = std::min(c.warps, 8);
   if (c.mb != 1 || group_size) c.loads = 4;
   if (group_size && c.mb == 2) c.tn = std::min(c.tn, 2);

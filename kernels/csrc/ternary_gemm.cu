@@ -26,13 +26,18 @@
 #include <type_traits>
 #include <vector>
 
+#include "cp_async.cuh"
 #include "dtypes.cuh"
 #include "launch.cuh"
 #include "ternary_tiles.cuh"
 
 namespace {
 
+using parity::cp_async16;
+using parity::cp_async_commit;
+using parity::cp_async_wait;
 using parity::from_f;
+using parity::smem_addr;
 using parity::to_f;
 
 using parity::TILE_K;
@@ -93,18 +98,6 @@ __global__ void stage_x_kernel(const T* __restrict__ x, int64_t sxm, int64_t sxk
     }
   }
   if (QUANT && live && threadIdx.x == 0) sx[m] = s;
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// 16 bytes global -> shared, bypassing L1; bytes = 0 fills zeros (rows past M, tiles past N).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // wgmma's matrix descriptor of a K-major operand in shared memory with the 128-byte swizzle: start address,
