@@ -535,19 +535,20 @@ int main() {
 """
 
 
+def _bench(name: str):
+    """A script of benchmarks/ as a module."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_revision_build_compiles_out_only_the_op_registrations(monkeypatch):
     """benchmarks/ternary_group_ab.py builds an earlier ternary.cu beside the installed extension: both
     TORCH_LIBRARY blocks (whose op names the extension holds) go, whole; every other line stays."""
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
-
-    def load(name):
-        spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    monkeypatch.setitem(sys.modules, "kernels", load("kernels"))  # the script's `kernels`: benchmarks/kernels.py
-    module = load("ternary_group_ab")
+    monkeypatch.setitem(sys.modules, "kernels", _bench("kernels"))  # the script's `kernels`: benchmarks/kernels.py
+    module = _bench("ternary_group_ab")
     src = (Path(ternary_cuda.__file__).with_name("csrc") / "ternary.cu").read_text()
     out = module.without_op_registrations(src)
     blocks = out.split("#if 0\n")[1:]
@@ -556,6 +557,26 @@ def test_revision_build_compiles_out_only_the_op_registrations(monkeypatch):
     assert all(b[:b.index("#endif\n")].rstrip().endswith("}") for b in blocks), "each block ends at its brace"
     assert out.replace("#if 0\n", "").replace("#endif\n", "") == src
     assert "PYBIND11_MODULE" in out.split("#endif\n")[-1], "the pybind functions stay compiled"
+
+
+def test_parts_variants_take_out_exactly_their_part(monkeypatch):
+    """benchmarks/ternary_mma_parts.py times ternary.cu with the decode and/or the MMA taken out: each edit must
+    find its one line in the source as it is now (else the script would time the kernel unchanged), and a
+    variant differs from the source only there and in the compiled-out op registrations."""
+    monkeypatch.setitem(sys.modules, "kernels", _bench("kernels"))
+    monkeypatch.setitem(sys.modules, "ternary_group_ab", _bench("ternary_group_ab"))
+    parts = _bench("ternary_mma_parts")
+    src = (Path(ternary_cuda.__file__).with_name("csrc") / "ternary.cu").read_text()
+    plain = parts.without_op_registrations(src)
+    for name, edits in parts.VARIANTS.items():
+        out = parts.variant_source(src, edits)
+        assert out != plain, name
+        for old, new in edits:
+            assert old not in out and out.count(new) == 1, (name, old)
+            out = out.replace(new, old)
+        assert out == plain, f"{name} changes more than its part"
+    with pytest.raises(SystemExit, match="expected one"):
+        parts.variant_source(src.replace(parts.MMA, ""), parts.VARIANTS["no_mma"])
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the C++ rule on the host")

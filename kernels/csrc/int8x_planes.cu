@@ -41,6 +41,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "cp_async.cuh"
 #include "dtypes.cuh"
 #include "launch.cuh"
 
@@ -56,9 +57,13 @@ constexpr uint32_t FULL = 0xffffffffu;
 
 namespace cg = cooperative_groups;
 
+using parity::cp_async16;
+using parity::cp_async_commit;
+using parity::cp_async_wait;
 using parity::from_f;
 using parity::pdl_launch_dependents;
 using parity::pdl_wait;
+using parity::smem_addr;
 using parity::to_f;
 
 struct Layout {
@@ -133,8 +138,6 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 }
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void ldsm_x2_trans(uint32_t addr, uint32_t& r0, uint32_t& r1) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr));
@@ -224,16 +227,6 @@ __device__ __forceinline__ void run_sync(int run, int threads) {
     __syncwarp();
 }
 
-// 16 bytes global -> shared without registers; the bytes past src_bytes (0 .. 16) are zero and not read.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-// Until at most N of this thread's newest groups are in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
 // Records [r0, r0 + cnt) in flight to the warp's buffer as one cp.async group (empty for cnt = 0; the kernel waits
 // for it before reading): the 16-byte vectors of fx_pos and fx_h that hold them (the host checks both tensors are
 // 16-byte aligned), one loop over both so that a lane issues one or two copies for a typical group.
@@ -256,7 +249,8 @@ __device__ __forceinline__ int2 stage_records_async(const Layout& L, int64_t r0,
     const bool pos = i < npv;
     const int j = pos ? i : i - npv;
     const int64_t left = (pos ? pleft : hleft) - 16 * j;
-    cp_async16(rbuf + (pos ? 0 : REC_POS_BYTES) + 16 * j, reinterpret_cast<const void*>((pos ? pa : ha) + 16 * j),
+    cp_async16(smem_addr(rbuf + (pos ? 0 : REC_POS_BYTES) + 16 * j),
+               reinterpret_cast<const void*>((pos ? pa : ha) + 16 * j),
                left < 16 ? (int)left : 16);
   }
   cp_async_commit();
@@ -435,7 +429,7 @@ __device__ __forceinline__ void for_lane_records(const Layout& L, uint8_t* rbuf,
     if (w0) {
       __syncwarp();  // the previous window is no longer read
       off = stage_records_async(L, rec0 + w0, cnt, rbuf, lane);
-      cp_async_wait_all();
+      cp_async_wait<0>();
     } else {
       cp_async_wait<NEWER>();
     }
@@ -540,7 +534,7 @@ __global__ void __launch_bounds__(MAX_THREADS, MT == 8 ? 1 : 0)
       const uint4* b = blocks + (int64_t)B * BLOCK_VEC + lane;
       uint4* d = pbuf + (B % NSTAGE) * BLOCK_VEC + lane;
 #pragma unroll
-      for (int i = 0; i < 5; ++i) cp_async16(d + 32 * i, b + 32 * i, 16);
+      for (int i = 0; i < 5; ++i) cp_async16(smem_addr(d + 32 * i), b + 32 * i, 16);
     }
     cp_async_commit();
   };
@@ -607,7 +601,7 @@ __global__ void __launch_bounds__(MAX_THREADS, MT == 8 ? 1 : 0)
       row_start = nx_row_start;
     }
   }
-  cp_async_wait_all();  // nothing may land after the shared memory is reused below
+  cp_async_wait<0>();  // nothing may land after the shared memory is reused below
 
   // Reduce: red[warp][row][token] in the (now free) shared memory; MT = 1: after it, each warp's sum of x.
   if constexpr (NT == 1)
