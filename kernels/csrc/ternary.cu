@@ -520,9 +520,11 @@ mma_kernel(const T* __restrict__ x, int64_t sxm, const void* __restrict__ w, con
 #pragma unroll
       for (int mb = 0; mb < MB; ++mb)
         load_x<T, S::NQ>(xv[mb], x, sxm, m0 + mb * 8 + g, M, K, c * S::CK + (S::CK / 4) * t, xvec);
-      const float2* staged = reinterpret_cast<const float2*>(slots) + (j0 + u) * TN * 8 + g;
       mma_chunk_scaled<T, TN, MB, GROUP, SRC>(acc, wq[u], xv, [&](int i) {
-        return STAGE ? staged[i * 8] : make_float2(sc[STAGE ? 0 : u][i][0], sc[STAGE ? 0 : u][i][1]);
+        if constexpr (STAGE)
+          return reinterpret_cast<const float2*>(slots)[((j0 + u) * TN + i) * 8 + g];
+        else
+          return make_float2(sc[u][i][0], sc[u][i][1]);
       });
     }
   }
