@@ -334,7 +334,9 @@ def time_candidates(kernel: str, k: int, n: int, m: int, cands: list, calls: int
             continue
         rows.append(dict(kernel=kernel, K=k, N=n, M=m, config=cfg, median_us=round(us, 3), **extra))
     best = min(rows, key=lambda r: r["median_us"], default=None)
-    print(f"  best {kernel} K={k} N={n} M={m}: {best}", flush=True)
+    rule = next((r["median_us"] for r in rows if r["config"] == extra.get("default")), None)
+    print(f"  best {kernel} K={k} N={n} M={m}: {best}" + (f"; the rule's launch {rule} us" if rule else ""),
+          flush=True)
     return rows
 
 
@@ -355,17 +357,21 @@ def mma_candidates(m: int, n: int, k: int, group_size: int = 0) -> list[dict]:
     return cands
 
 
-def sweep_mma(copy_gbps: float, rows: bool = False, group_size: int = 0) -> list[dict]:
-    """Blocks, pipelines and launch modes of the tensor-core kernel at the target shapes and three
-    smaller ones (small M); ``rows``: on the row layout, at the target shapes; ``group_size``: with group
-    scales, at the target shapes."""
+def sweep_mma(copy_gbps: float, rows: bool = False, group_size: int = 0, only_ms=None) -> list[dict]:
+    """Blocks, pipelines and launch modes of the tensor-core kernel at the target shapes and smaller ones
+    (small M); ``rows``: on the row layout, at the target shapes; ``group_size``: with group scales, at the
+    target shapes; ``only_ms``: those token counts alone."""
     from vllm_parity.serving import ternary_cuda
 
     out = []
-    shapes = [((4096, 14336), (1, 4, 8, 16)), ((14336, 4096), (1, 4, 8, 16)),
-              ((11008, 4096), (1, 4, 8)), ((5632, 2048), (1, 4, 8)), ((2048, 5632), (1, 4, 8))]
+    ms_all = (1, 4, 8, 9, 16)
+    shapes = [((4096, 14336), ms_all), ((14336, 4096), ms_all), ((4096, 4096), ms_all), ((11008, 4096), ms_all),
+              ((5632, 2048), ms_all), ((2048, 5632), ms_all), ((2048, 2048), (9, 16))]
     spec = spec_of(f"group-{group_size}" if group_size else "seed-article")
     for (k, n), ms in shapes[:2] if rows or group_size else shapes:
+        ms = [m for m in ms if only_ms is None or m in only_ms]
+        if not ms:
+            continue
         base = ternary_weights(k, n, spec, seed=1)
         natives, next_native = rotating(lambda: repack_copy(base), base.nbytes)
         for m in ms:
@@ -689,6 +695,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gemm-sweep", action="store_true",
                     help="also sweep the GEMM on the tiles (instances, splits) at the target shapes")
     ap.add_argument("--group", action="store_true", help="also the rows of group scales (128 inputs)")
+    ap.add_argument("--sweep-ms", default=None, help="comma-separated M values: --sweep at these alone")
+    ap.add_argument("--only-sweeps", action="store_true", help="stop after the sweeps asked for")
     ap.add_argument("--group-sweep", action="store_true",
                     help="also sweep the tensor-core kernel's blocks with group scales (128 inputs) at the targets")
     ap.add_argument("--no-bitnet", action="store_true", help="skip the BitNet layout's rows")
@@ -750,12 +758,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.floor:
         result["floor"] = floor_rows()
-    if "cuda_mma" in kernels and not args.only_int8x:
+    if "cuda_mma" in kernels and not args.only_int8x and not args.only_sweeps:
         result["eager"] = eager_rows(copy_gbps)
     if args.sweep_triton:
         result["sweep"] += sweep(copy_gbps)
+    sweep_ms = [int(v) for v in args.sweep_ms.split(",")] if args.sweep_ms else None
     if args.sweep and "cuda_mma" in kernels:
-        result["sweep"] += sweep_mma(copy_gbps)
+        result["sweep"] += sweep_mma(copy_gbps, only_ms=sweep_ms)
     if args.gemm_sweep and "cuda_gemm" in kernels:
         result["sweep"] += sweep_gemm(copy_gbps)
         save()
@@ -765,6 +774,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.group_sweep and "cuda_mma" in kernels:
         result["sweep"] += sweep_mma(copy_gbps, group_size=128)
         save()
+    if args.only_sweeps:
+        header["seconds"] = round(time.time() - t0, 1)
+        save()
+        print(f"wrote {args.out}")
+        return 0
     if args.only_int8x:
         shapes = []
     for k, n in shapes:

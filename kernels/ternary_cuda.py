@@ -104,7 +104,8 @@ def mma_config(m: int, n: int, k: int, rows: bool = False, group_size: int = 0) 
     benchmarks/NOTES.md: up to 8 tokens, blocks of 16 warps, as many row tiles per block as leave at
     least 1.2 blocks per multiprocessor (0.9 above 4 tokens: each tile more shares the loads of x), and
     8 loads in flight where the grid has no more blocks than multiprocessors (registers then do not
-    limit residency); 9-16 tokens, about four 128-input chunks per warp and a block per multiprocessor;
+    limit residency); 9-16 tokens, a block per multiprocessor and 16 warps a block where the blocks make one wave,
+    else 8 (at most a warp a 128-input chunk; with group scales a warp for every four chunks);
     above, 4 tiles and up to 8 warps per block. On the row layout (``rows``) up to 8 tokens: as many tiles as
     leave 0.9 blocks per multiprocessor, a warp for every two 256-input chunks (up to 16), 4 loads in flight;
     9-16 tokens: 4 tiles a block (the H200 sweep of the row layout in benchmarks/NOTES.md). With ``group_size``
@@ -129,7 +130,11 @@ def mma_config(m: int, n: int, k: int, rows: bool = False, group_size: int = 0) 
         loads = 8 if -(-nt // tn) <= sms else 4
         cfg = {"tn": tn, "mb": 1, "warps": max(1, min(16, kc)), **launch, "loads": loads}
     elif m <= 16:
-        cfg = {"tn": 4 if rows else tiles(0.9 * sms), "mb": 2, "warps": max(1, min(16, kc // 4)), **launch}
+        tn = 4 if rows else tiles(0.9 * sms)
+        warps = max(1, min(16, kc // 4))
+        if not rows and not group_size:  # 16 warps where the blocks make one wave, else 8; a chunk a warp at least
+            warps = min(16 if -(-nt // tn) <= sms else 8, kc)
+        cfg = {"tn": tn, "mb": 2, "warps": warps, **launch}
     else:
         cfg = {"tn": 4, "mb": 2, "warps": max(1, min(8, kc // 4)), **launch}
     if group_size and cfg["mb"] == 1 and cfg["tn"] == 4:

@@ -663,6 +663,20 @@ def test_mma_config_small_m_follows_the_h200_sweep(monkeypatch, m, k, n, want):
     assert (cfg["tn"], cfg["warps"], cfg["loads"]) == want and cfg["mb"] == 1, cfg
 
 
+@pytest.mark.parametrize("m, k, n, want", [
+    (16, 4096, 4096, (2, 16)), (9, 4096, 4096, (2, 16)), (16, 4096, 14336, (4, 8)), (16, 4096, 12288, (4, 8)),
+    (16, 14336, 4096, (2, 16)), (16, 11008, 4096, (2, 16)), (16, 4096, 22016, (4, 8)), (16, 2048, 2048, (1, 16)),
+    (9, 2048, 2048, (1, 16)), (16, 2048, 5632, (2, 8)), (16, 5632, 2048, (1, 16)), (16, 1024, 2048, (1, 8)),
+])
+def test_mma_config_at_9_to_16_tokens_follows_the_sweeps(monkeypatch, m, k, n, want):
+    """(row tiles, warps) at 9-16 tokens, seed layout: 16 warps a block where the blocks make one wave, else 8, and
+    no more warps than 128-input chunks; at each measured shape the best of 4 / 8 / 16 warps at the rule's tiles
+    (benchmarks/results/ternary_mma_split_sweep_h200.json without a split, ternary_mma_sweep_m9_16_h100.json)."""
+    monkeypatch.setattr(ternary_cuda, "_num_sms", lambda: 132)
+    cfg = ternary_cuda._fit_instance(ternary_cuda.mma_config(m, n, k), 0)
+    assert (cfg["tn"], cfg["warps"]) == want and cfg["mb"] == 2, cfg
+
+
 @pytest.mark.parametrize("m, k, n, group_size, want", [
     (1, 4096, 14336, 128, (4, 8)), (8, 4096, 14336, 128, (4, 8)), (1, 4096, 14336, 0, (4, 16)),
     (1, 14336, 4096, 128, (1, 16)), (8, 14336, 4096, 128, (2, 16)), (16, 4096, 14336, 128, (2, 8)),
