@@ -366,7 +366,8 @@ def sweep_mma(copy_gbps: float, rows: bool = False, group_size: int = 0, only_ms
     out = []
     ms_all = (1, 4, 8, 9, 16)
     shapes = [((4096, 14336), ms_all), ((14336, 4096), ms_all), ((4096, 4096), ms_all), ((11008, 4096), ms_all),
-              ((5632, 2048), ms_all), ((2048, 5632), ms_all), ((2048, 2048), (9, 16))]
+              ((5632, 2048), ms_all), ((2048, 5632), ms_all), ((2048, 2048), (9, 16)), ((4096, 12288), (9, 16)),
+              ((4096, 22016), (9, 16))]
     spec = spec_of(f"group-{group_size}" if group_size else "seed-article")
     for (k, n), ms in shapes[:2] if rows or group_size else shapes:
         ms = [m for m in ms if only_ms is None or m in only_ms]
