@@ -748,15 +748,18 @@ def main(argv: list[str] | None = None) -> int:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(result, indent=1))
 
+    def finish() -> int:
+        header["seconds"] = round(time.time() - t0, 1)
+        save()
+        print(f"wrote {args.out}")
+        return 0
+
     if args.only_int8x_planes:
         result["int8x"] = int8x_planes_rows(copy_gbps)
         if args.planes_sweep:
             save()
             result["planes_sweep"] = int8x_planes_sweep(copy_gbps)
-        header["seconds"] = round(time.time() - t0, 1)
-        save()
-        print(f"wrote {args.out}")
-        return 0
+        return finish()
     if args.floor:
         result["floor"] = floor_rows()
     if "cuda_mma" in kernels and not args.only_int8x and not args.only_sweeps:
@@ -776,10 +779,7 @@ def main(argv: list[str] | None = None) -> int:
         result["sweep"] += sweep_mma(copy_gbps, group_size=128)
         save()
     if args.only_sweeps:
-        header["seconds"] = round(time.time() - t0, 1)
-        save()
-        print(f"wrote {args.out}")
-        return 0
+        return finish()
     if args.only_int8x:
         shapes = []
     for k, n in shapes:
@@ -805,11 +805,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             result["int8x"] = [dict(error=f"{type(exc).__name__}: {exc}"[:500])]
             print(f"int8x: FAILED {exc}", file=sys.stderr)
-    header["seconds"] = round(time.time() - t0, 1)
-    save()
     print(summary(result))
-    print(f"wrote {args.out}")
-    return 0
+    return finish()
 
 
 def summary(result: dict) -> str:
