@@ -131,8 +131,10 @@ def mma_config(m: int, n: int, k: int, rows: bool = False, group_size: int = 0) 
         cfg = {"tn": tn, "mb": 1, "warps": max(1, min(16, kc)), **launch, "loads": loads}
     elif m <= 16:
         tn = 4 if rows else tiles(0.9 * sms)
-        # Seed tiles: 16 warps where the blocks make one wave, else 8, a chunk a warp at least; else K / 512.
-        warps = min(16 if -(-nt // tn) <= sms else 8, kc) if not rows and not group_size else max(1, min(16, kc // 4))
+        if rows or group_size:  # a warp for every four chunks
+            warps = max(1, min(16, kc // 4))
+        else:  # 16 warps where the blocks make one wave, else 8, a chunk a warp at least
+            warps = min(16 if -(-nt // tn) <= sms else 8, kc)
         cfg = {"tn": tn, "mb": 2, "warps": warps, **launch}
     else:
         cfg = {"tn": 4, "mb": 2, "warps": max(1, min(8, kc // 4)), **launch}

@@ -914,9 +914,10 @@ MmaCfg mma_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size, int 
   } else if (m <= 16) {
     c.tn = rows ? 4 : tiles(0.9 * sms);
     c.mb = 2;
-    // Seed tiles: 16 warps where the blocks make one wave, else 8, a chunk a warp at least; else K / 512.
-    c.warps = !rows && !group_size ? (int)std::min<int64_t>((nt + c.tn - 1) / c.tn <= sms ? 16 : 8, kc)
-                                   : (int)std::max<int64_t>(1, std::min<int64_t>(16, kc / 4));
+    if (rows || group_size)  // a warp for every four chunks
+      c.warps = (int)std::max<int64_t>(1, std::min<int64_t>(16, kc / 4));
+    else  // 16 warps where the blocks make one wave, else 8, a chunk a warp at least
+      c.warps = (int)std::min<int64_t>((nt + c.tn - 1) / c.tn <= sms ? 16 : 8, kc);
   } else {
     c.tn = 4;
     c.mb = 2;
