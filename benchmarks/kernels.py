@@ -360,7 +360,7 @@ def mma_candidates(m: int, n: int, k: int, group_size: int = 0) -> list[dict]:
 def sweep_mma(copy_gbps: float, rows: bool = False, group_size: int = 0, only_ms=None) -> list[dict]:
     """Blocks, pipelines and launch modes of the tensor-core kernel at the target shapes and smaller ones
     (small M); ``rows``: on the row layout, at the target shapes; ``group_size``: with group scales, at the
-    target shapes; ``only_ms``: those token counts alone."""
+    target shapes; ``only_ms``: those token counts alone, at every shape."""
     from vllm_parity.serving import ternary_cuda
 
     out = []
@@ -370,7 +370,7 @@ def sweep_mma(copy_gbps: float, rows: bool = False, group_size: int = 0, only_ms
               ((4096, 22016), (9, 16))]
     spec = spec_of(f"group-{group_size}" if group_size else "seed-article")
     for (k, n), ms in shapes[:2] if rows or group_size else shapes:
-        ms = [m for m in ms if only_ms is None or m in only_ms]
+        ms = list(only_ms) if only_ms is not None else ms
         if not ms:
             continue
         base = ternary_weights(k, n, spec, seed=1)

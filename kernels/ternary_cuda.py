@@ -105,7 +105,10 @@ def mma_config(m: int, n: int, k: int, rows: bool = False, group_size: int = 0) 
     least 1.2 blocks per multiprocessor (0.9 above 4 tokens: each tile more shares the loads of x), and
     8 loads in flight where the grid has no more blocks than multiprocessors (registers then do not
     limit residency); 9-16 tokens, a block per multiprocessor and 16 warps a block where the blocks make one wave,
-    else 8 (at most a warp a 128-input chunk; with group scales a warp for every four chunks);
+    else 8 (at most a warp a 128-input chunk; with group scales a warp for every four chunks), except at
+    12-16 tokens on the tiles without group scales where K <= 6144 and one-fragment blocks make at most 1.5
+    waves: there one token fragment a block (two blocks along M), 16 warps, 8 loads in flight where the
+    blocks make one wave (the sweeps at 12-16 tokens: 1.01-1.22x);
     above, 4 tiles and up to 8 warps per block. On the row layout (``rows``) up to 8 tokens: as many tiles as
     leave 0.9 blocks per multiprocessor, a warp for every two 256-input chunks (up to 16), 4 loads in flight;
     9-16 tokens: 4 tiles a block (the H200 sweep of the row layout in benchmarks/NOTES.md). With ``group_size``
@@ -129,6 +132,10 @@ def mma_config(m: int, n: int, k: int, rows: bool = False, group_size: int = 0) 
         tn = tiles((1.2 if m <= 4 else 0.9) * sms)
         loads = 8 if -(-nt // tn) <= sms else 4
         cfg = {"tn": tn, "mb": 1, "warps": max(1, min(16, kc)), **launch, "loads": loads}
+    elif 12 <= m <= 16 and not (rows or group_size) and kc <= 48 and 2 * -(-nt // tiles(0.45 * sms)) <= 1.5 * sms:
+        tn = tiles(0.45 * sms)  # one fragment a block, two blocks along M: at least 0.9 blocks a multiprocessor
+        loads = 8 if 2 * -(-nt // tn) <= sms else 4
+        cfg = {"tn": tn, "mb": 1, "warps": min(16, kc), **launch, "loads": loads}
     elif m <= 16:
         tn = 4 if rows else tiles(0.9 * sms)
         if rows or group_size:  # a warp for every four chunks

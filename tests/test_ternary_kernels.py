@@ -624,7 +624,7 @@ def test_mma_cpp_rule_is_python_rule_on_the_host(tmp_path, monkeypatch):
     on both layouts, so that CI checks what only a GPU test did."""
     answer = _host_rule(tmp_path, _MMA_RULE_HOST, "ternary.cu", "struct MmaCfg {",
                         "std::vector<int64_t> mma_auto_config_py")
-    cases = list(itertools.product((1, 3, 4, 5, 8, 9, 16, 17, 40, 64, 200), (77, 200, 2048, 4096, 14336),
+    cases = list(itertools.product((1, 3, 4, 5, 8, 9, 12, 16, 17, 40, 64, 200), (77, 200, 2048, 4096, 14336),
                                    (256, 1000, 4096, 14336), (0, 128, 256), (0, 1)))
     monkeypatch.delenv(ternary_cuda.ENV_PDL, raising=False)
     monkeypatch.setattr(ternary_cuda, "_pdl_supported", lambda: True)
@@ -664,9 +664,9 @@ def test_mma_config_small_m_follows_the_h200_sweep(monkeypatch, m, k, n, want):
 
 
 @pytest.mark.parametrize("m, k, n, want", [
-    (16, 4096, 4096, (2, 16)), (9, 4096, 4096, (2, 16)), (16, 4096, 14336, (4, 8)), (16, 4096, 12288, (4, 8)),
-    (16, 14336, 4096, (2, 16)), (16, 11008, 4096, (2, 16)), (16, 4096, 22016, (4, 8)), (16, 2048, 2048, (1, 16)),
-    (9, 2048, 2048, (1, 16)), (16, 2048, 5632, (2, 8)), (16, 5632, 2048, (1, 16)), (16, 1024, 2048, (1, 8)),
+    (9, 4096, 4096, (2, 16)), (16, 4096, 14336, (4, 8)), (16, 4096, 12288, (4, 8)),
+    (16, 14336, 4096, (2, 16)), (16, 11008, 4096, (2, 16)), (16, 4096, 22016, (4, 8)),
+    (9, 2048, 2048, (1, 16)), (9, 2048, 5632, (2, 8)), (9, 5632, 2048, (1, 16)), (9, 1024, 2048, (1, 8)),
 ])
 def test_mma_config_at_9_to_16_tokens_follows_the_sweeps(monkeypatch, m, k, n, want):
     """(row tiles, warps) at 9-16 tokens, seed layout: 16 warps a block where the blocks make one wave, else 8, and
@@ -675,6 +675,26 @@ def test_mma_config_at_9_to_16_tokens_follows_the_sweeps(monkeypatch, m, k, n, w
     monkeypatch.setattr(ternary_cuda, "_num_sms", lambda: 132)
     cfg = ternary_cuda._fit_instance(ternary_cuda.mma_config(m, n, k), 0)
     assert (cfg["tn"], cfg["warps"]) == want and cfg["mb"] == 2, cfg
+
+
+@pytest.mark.parametrize("m, k, n, want", [
+    (12, 4096, 4096, (4, 16, 8)), (14, 4096, 4096, (4, 16, 8)), (16, 4096, 4096, (4, 16, 8)),
+    (12, 5632, 2048, (2, 16, 8)), (16, 5632, 2048, (2, 16, 8)), (12, 2048, 2048, (2, 16, 8)),
+    (16, 2048, 2048, (2, 16, 8)), (12, 2048, 5632, (4, 16, 4)), (16, 2048, 5632, (4, 16, 4)),
+])
+def test_mma_config_at_12_to_16_tokens_on_small_weights_takes_a_fragment_a_block(monkeypatch, m, k, n, want):
+    """(row tiles, warps, loads) at 12-16 tokens where K <= 6144 and the blocks of one token fragment make at most
+    1.5 waves: one fragment a block, two blocks along M, the sweeps' best or within 2 % of it (H200 at 12 / 14 / 16
+    tokens, benchmarks/results/ternary_mma_sweep_mb_h200.json: 1.01-1.22x the two-fragment launch; H100 at 16,
+    ternary_mma_sweep_m9_16_h100.json). At 9 tokens, on larger weights, with group scales or on the row layout,
+    two fragments a block."""
+    monkeypatch.setattr(ternary_cuda, "_num_sms", lambda: 132)
+    cfg = ternary_cuda._fit_instance(ternary_cuda.mma_config(m, n, k), 0)
+    assert (cfg["tn"], cfg["mb"], cfg["warps"], cfg["loads"]) == (want[0], 1, *want[1:]), cfg
+    for other in (ternary_cuda.mma_config(9, n, k), ternary_cuda.mma_config(m, n, k, group_size=128),
+                  ternary_cuda.mma_config(m, n, k, rows=True), ternary_cuda.mma_config(m, 14336, k),
+                  ternary_cuda.mma_config(m, n, 11008)):
+        assert other["mb"] == 2, other
 
 
 @pytest.mark.parametrize("m, k, n, group_size, want", [
@@ -1154,7 +1174,7 @@ def test_gpu_dequant_tiles_matches_row_dequant(n, k4, group, dtype, seed):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("m", [1, 3, 5, 8, 9, 16, 17, 40, 64, 65, 200, 384])
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 9, 12, 16, 17, 40, 64, 65, 200, 384])
 @pytest.mark.parametrize("n, k", [(200, 1000), (4096, 4096), (77, 2304), (14336, 256)])
 def test_gpu_cpp_mma_config_matches_python(m, n, k):
     """The C++ op chooses the configuration Python's mma_config + _fit_instance would."""

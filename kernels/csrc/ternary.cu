@@ -911,6 +911,12 @@ MmaCfg mma_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size, int 
     c.mb = 1;
     c.warps = (int)std::max<int64_t>(1, std::min<int64_t>(16, kc));
     c.loads = (nt + c.tn - 1) / c.tn <= sms ? 8 : 4;
+  } else if (m >= 12 && m <= 16 && !rows && !group_size && kc <= 48 &&
+             2 * ((nt + tiles(0.45 * sms) - 1) / tiles(0.45 * sms)) <= 1.5 * sms) {
+    c.tn = tiles(0.45 * sms);  // one fragment a block, two blocks along M: at least 0.9 blocks a multiprocessor
+    c.mb = 1;
+    c.warps = (int)std::min<int64_t>(16, kc);
+    c.loads = 2 * ((nt + c.tn - 1) / c.tn) <= sms ? 8 : 4;
   } else if (m <= 16) {
     c.tn = rows ? 4 : tiles(0.9 * sms);
     c.mb = 2;
