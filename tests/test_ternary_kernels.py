@@ -685,9 +685,9 @@ def test_mma_config_at_9_to_16_tokens_follows_the_sweeps(monkeypatch, m, k, n, w
 def test_mma_config_at_12_to_16_tokens_on_small_weights_takes_a_fragment_a_block(monkeypatch, m, k, n, want):
     """(row tiles, warps, loads) at 12-16 tokens where K <= 6144 and the blocks of one token fragment make at most
     1.5 waves: one fragment a block, two blocks along M, the sweeps' best or within 2 % of it (H200 at 12 / 14 / 16
-    tokens, benchmarks/results/ternary_mma_sweep_mb_h200.json: 1.01-1.22x the two-fragment launch; H100 at 16,
-    ternary_mma_sweep_m9_16_h100.json). At 9 tokens, on larger weights, with group scales or on the row layout,
-    two fragments a block."""
+    tokens, benchmarks/results/ternary_mma_sweep_m12_16_before_h200.json: 1.01-1.22x the two-fragment launch;
+    H100 at 16, ternary_mma_sweep_m9_16_h100.json). At 9 tokens, on larger weights, with group scales or on the
+    row layout, two fragments a block."""
     monkeypatch.setattr(ternary_cuda, "_num_sms", lambda: 132)
     cfg = ternary_cuda._fit_instance(ternary_cuda.mma_config(m, n, k), 0)
     assert (cfg["tn"], cfg["mb"], cfg["warps"], cfg["loads"]) == (want[0], 1, *want[1:]), cfg
