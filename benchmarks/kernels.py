@@ -696,7 +696,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gemm-sweep", action="store_true",
                     help="also sweep the GEMM on the tiles (instances, splits) at the target shapes")
     ap.add_argument("--group", action="store_true", help="also the rows of group scales (128 inputs)")
-    ap.add_argument("--sweep-ms", default=None, help="comma-separated M values: --sweep at these alone")
+    ap.add_argument("--sweep-ms", default=None,
+                    help="comma-separated M values: --sweep at these alone, at every shape")
     ap.add_argument("--only-sweeps", action="store_true", help="stop after the sweeps asked for")
     ap.add_argument("--group-sweep", action="store_true",
                     help="also sweep the tensor-core kernel's blocks with group scales (128 inputs) at the targets")
