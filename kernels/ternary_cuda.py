@@ -126,16 +126,15 @@ def mma_config(m: int, n: int, k: int, rows: bool = False, group_size: int = 0) 
         return tn
 
     launch = {"loads": 4, "pdl": _pdl_supported() and os.environ.get(ENV_PDL, "1") != "0"}
+    # One token fragment a block: ceil(M / 8) blocks along M, the row tiles shared out so that all of them together
+    # leave the blocks a multiprocessor asked for.
+    mblocks = -(-m // 8)
+    tn1 = tiles((1.2 if m <= 4 else 0.9) * sms / mblocks)
+    blocks1 = mblocks * -(-nt // tn1)
     if m <= 8 and rows:
         cfg = {"tn": tiles(0.9 * sms), "mb": 1, "warps": max(1, min(16, -(-k // 256) // 2)), **launch}
-    elif m <= 8:
-        tn = tiles((1.2 if m <= 4 else 0.9) * sms)
-        loads = 8 if -(-nt // tn) <= sms else 4
-        cfg = {"tn": tn, "mb": 1, "warps": max(1, min(16, kc)), **launch, "loads": loads}
-    elif 12 <= m <= 16 and not (rows or group_size) and kc <= 48 and 2 * -(-nt // tiles(0.45 * sms)) <= 1.5 * sms:
-        tn = tiles(0.45 * sms)  # one fragment a block, two blocks along M: at least 0.9 blocks a multiprocessor
-        loads = 8 if 2 * -(-nt // tn) <= sms else 4
-        cfg = {"tn": tn, "mb": 1, "warps": min(16, kc), **launch, "loads": loads}
+    elif m <= 8 or (12 <= m <= 16 and not (rows or group_size) and kc <= 48 and blocks1 <= 1.5 * sms):
+        cfg = {"tn": tn1, "mb": 1, "warps": max(1, min(16, kc)), **launch, "loads": 8 if blocks1 <= sms else 4}
     elif m <= 16:
         tn = 4 if rows else tiles(0.9 * sms)
         if rows or group_size:  # a warp for every four chunks

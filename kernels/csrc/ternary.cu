@@ -899,6 +899,11 @@ MmaCfg mma_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size, int 
     while (tn > 1 && (double)((nt + tn - 1) / tn) < min_blocks) tn /= 2;
     return tn;
   };
+  // One token fragment a block: ceil(M / 8) blocks along M, the row tiles shared out so that all of them together
+  // leave the blocks a multiprocessor asked for.
+  const int64_t mblocks = (m + 7) / 8;
+  const int tn1 = tiles((m <= 4 ? 1.2 : 0.9) * sms / mblocks);
+  const int64_t blocks1 = mblocks * ((nt + tn1 - 1) / tn1);
   MmaCfg c{};
   c.pdl = info.major >= 9 && pdl_env_allows();  // programmatic dependent launch: compute capability 9 on
   c.loads = 4;
@@ -906,17 +911,11 @@ MmaCfg mma_auto_config(int64_t m, int64_t n, int64_t k, int64_t group_size, int 
     c.tn = tiles(0.9 * sms);
     c.mb = 1;
     c.warps = (int)std::max<int64_t>(1, std::min<int64_t>(16, ((k + 255) / 256) / 2));
-  } else if (m <= 8) {
-    c.tn = tiles((m <= 4 ? 1.2 : 0.9) * sms);
+  } else if (m <= 8 || (m >= 12 && m <= 16 && !rows && !group_size && kc <= 48 && blocks1 <= 1.5 * sms)) {
+    c.tn = tn1;
     c.mb = 1;
     c.warps = (int)std::max<int64_t>(1, std::min<int64_t>(16, kc));
-    c.loads = (nt + c.tn - 1) / c.tn <= sms ? 8 : 4;
-  } else if (m >= 12 && m <= 16 && !rows && !group_size && kc <= 48 &&
-             2 * ((nt + tiles(0.45 * sms) - 1) / tiles(0.45 * sms)) <= 1.5 * sms) {
-    c.tn = tiles(0.45 * sms);  // one fragment a block, two blocks along M: at least 0.9 blocks a multiprocessor
-    c.mb = 1;
-    c.warps = (int)std::min<int64_t>(16, kc);
-    c.loads = 2 * ((nt + c.tn - 1) / c.tn) <= sms ? 8 : 4;
+    c.loads = blocks1 <= sms ? 8 : 4;
   } else if (m <= 16) {
     c.tn = rows ? 4 : tiles(0.9 * sms);
     c.mb = 2;
