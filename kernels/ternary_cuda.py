@@ -208,6 +208,23 @@ def linear_mma(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: 
                   cfg["loads"], bool(cfg["pdl"]))
 
 
+def linear_bulk(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
+                group_size: int, act_quant: bool, warps: int = 16, blocks: int = 0, slots: int = 0,
+                pdl: bool = True) -> torch.Tensor:
+    """``y = x @ W^T (+ bias)`` on the tiles for at most 8 tokens, each block's run of row tiles streamed into shared
+    memory by bulk copies (compute capability 9): ``warps`` consumer warps (8 or 16), ``blocks`` blocks (0: one a
+    multiprocessor), at most ``slots`` stages in the ring (0: as many as the shared memory holds)."""
+    if x.dim() == 2 and x.shape[0] > 8:
+        raise ValueError(f"ternary bulk kernel: at most 8 tokens, got {x.shape[0]}")
+    if warps not in (8, 16):
+        raise ValueError(f"ternary bulk kernel: warps must be 8 or 16, got {warps}")
+    _check_mma_args(x, tiles, scale, n, k, group_size, op="ternary bulk kernel")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return extension().ternary_linear_bulk(x, tiles, scale, bias, n, k, group_size, act_quant, warps, blocks, slots,
+                                           pdl and _pdl_supported())
+
+
 def dequant(qweight: torch.Tensor, scale: torch.Tensor, k: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
     """The dense weight ``(N, K)`` in ``dtype``, scale folded in."""
     out = torch.empty((qweight.shape[0], k), dtype=dtype, device=qweight.device)

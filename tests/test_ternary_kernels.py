@@ -23,6 +23,7 @@ if not os.environ.get("TRITON_INTERPRET"):
     if not _torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+import difflib
 import importlib.util
 import itertools
 import math
@@ -544,6 +545,17 @@ def _bench(name: str):
     return module
 
 
+def _line_diff(a: str, b: str) -> list[tuple[str, str]]:
+    """(op, line) for b against a, op "=" for a kept line, "+" added, "-" removed."""
+    out = []
+    al, bl = a.splitlines(), b.splitlines()
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=al, b=bl, autojunk=False).get_opcodes():
+        out += [("=", line) for line in al[i1:i2]] if tag == "equal" else []
+        out += [("-", "-" + line) for line in al[i1:i2]] if tag in ("delete", "replace") else []
+        out += [("+", "+" + line) for line in bl[j1:j2]] if tag in ("insert", "replace") else []
+    return out
+
+
 def test_revision_build_compiles_out_only_the_op_registrations(monkeypatch):
     """benchmarks/ternary_group_ab.py builds an earlier ternary.cu beside the installed extension: both
     TORCH_LIBRARY blocks (whose op names the extension holds) go, whole; every other line stays."""
@@ -555,7 +567,8 @@ def test_revision_build_compiles_out_only_the_op_registrations(monkeypatch):
     assert len(blocks) == 2, "both TORCH_LIBRARY blocks, once each"
     assert [b[:b.index("#endif\n")].split("(")[0] for b in blocks] == ["TORCH_LIBRARY", "TORCH_LIBRARY_IMPL"]
     assert all(b[:b.index("#endif\n")].rstrip().endswith("}") for b in blocks), "each block ends at its brace"
-    assert out.replace("#if 0\n", "").replace("#endif\n", "") == src
+    inserted = [line for op, line in _line_diff(src, out) if op != "="]
+    assert inserted == ["+#if 0", "+#endif"] * 2, "only the two blocks' guards added, nothing removed"
     assert "PYBIND11_MODULE" in out.split("#endif\n")[-1], "the pybind functions stay compiled"
 
 
@@ -1087,10 +1100,14 @@ def test_gpu_mma_dependent_launch_waits_for_its_input(tn, loads):
     nat = built["native"].with_tiles()
     cfg = dict(tn=tn, loads=loads, pdl=True, warps=8)
 
-    def layer(x):
-        return ternary_cuda.linear_mma(x, nat.tiles, nat.scale, None, nat.n, nat.k, nat.group_size, nat.act_quant,
-                                       config=cfg)
+    _check_two_layers_in_a_graph(lambda x: ternary_cuda.linear_mma(x, nat.tiles, nat.scale, None, nat.n, nat.k,
+                                                                   nat.group_size, nat.act_quant, config=cfg),
+                                 built, case)
 
+
+def _check_two_layers_in_a_graph(layer, built: dict, case: dict) -> None:
+    """layer(layer(x)) captured in a CUDA graph: both outputs match the reference at every replay, each buffer NaN
+    before it (the second layer reads the first's output only once it is written)."""
     x = built["x"].clone()
     layer(layer(x))
     torch.cuda.synchronize()
@@ -1105,6 +1122,61 @@ def test_gpu_mma_dependent_launch_waits_for_its_input(tn, loads):
         torch.cuda.synchronize()
         check(y1, built, case, f"first layer, replay {i}")
         check(y2, dict(built, **expected(y1, built["w64"], case["spec"], None)), case, f"second layer, replay {i}")
+
+
+needs_sm90 = pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9,
+                                reason="needs compute capability 9 (bulk copies)")
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("warps", [8, 16])
+@pytest.mark.parametrize("blocks, slots", [(0, 0), (0, 1), (5, 2), (1000, 0)])
+def test_gpu_bulk_matches_reference(warps, blocks, slots):
+    """The bulk kernel at each instance (1-2 and 3-8 tokens, with and without group scales), with the ring holding a
+    block's whole run, one stage, or two stages over a long run (5 blocks), and more blocks than row tiles; ragged N,
+    K (padding chunks), fewer chunks a tile than warps (K = 300), activation quantization, bias."""
+    for i, (m, n, k, spec) in enumerate([(1, 200, 1000, PRESETS["seed-article"]), (2, 44, 4096, PRESETS["hf-bitnet"]),
+                                         (5, 130, 640, TernarySpec(scale_granularity="group", group_size=128)),
+                                         (8, 77, 2304, TernarySpec(scale_granularity="group", group_size=256)),
+                                         (1, 300, 256, TernarySpec(scale_granularity="group", group_size=128)),
+                                         (7, 33, 300, PRESETS["seed-article"])]):
+        case = dict(spec=spec, m=m, n=n, k=k, dtype=(torch.float16, torch.bfloat16)[i % 2],
+                    scale_dtype=torch.float32, weights="random", activations="normal", layout="contiguous",
+                    bias=i % 3 != 1, seed=400 + i)
+        built = build(case, "cuda")
+        nat = built["native"].with_tiles()
+        with poisoned_empty():
+            out = ternary_cuda.linear_bulk(built["x"], nat.tiles, nat.scale, built["bias"], n, k, nat.group_size,
+                                           nat.act_quant, warps=warps, blocks=blocks, slots=slots)
+        check(out, built, case, f"bulk warps={warps} blocks={blocks} slots={slots}")
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_bulk_in_a_graph_after_a_dependent_launch():
+    """Two bulk layers chained in a CUDA graph (programmatic dependent launches, the intermediate NaN before every
+    replay): the second reads the first's output only once it is written, every replay."""
+    case = dict(spec=PRESETS["seed-article"], m=1, n=2048, k=2048, dtype=torch.float16, scale_dtype=torch.float32,
+                weights="random", activations="normal", layout="contiguous", bias=False, seed=23)
+    built = build(case, "cuda")
+    nat = built["native"].with_tiles()
+
+    _check_two_layers_in_a_graph(lambda x: ternary_cuda.linear_bulk(x, nat.tiles, nat.scale, None, nat.n, nat.k, 0,
+                                                                     False), built, case)
+
+
+def test_bulk_rejects_what_it_cannot_take():
+    """Argument errors are Python errors naming the argument, before anything reaches the device."""
+    nat = repack(pack_codes(torch.zeros(16, 128, dtype=torch.int64), PRESETS["seed-article"]), torch.ones(16),
+                 PRESETS["seed-article"], 16, 128).with_tiles()
+    x = torch.zeros(9, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="at most 8 tokens, got 9"):
+        ternary_cuda.linear_bulk(x, nat.tiles, nat.scale, None, 16, 128, 0, False)
+    with pytest.raises(ValueError, match="warps must be 8 or 16, got 12"):
+        ternary_cuda.linear_bulk(x[:1], nat.tiles, nat.scale, None, 16, 128, 0, False, warps=12)
+    with pytest.raises(ValueError, match="ternary bulk kernel: tiles must be contiguous int32"):
+        ternary_cuda.linear_bulk(x[:1], nat.tiles[:, :, :, :2], nat.scale, None, 16, 128, 0, False)
 
 
 @pytest.mark.gpu
