@@ -5,6 +5,9 @@
 # when set (else benchmarks/results).
 #   bash scripts/gpu_suite.sh [--quick] [--sweep]     (extra arguments go to benchmarks/kernels.py)
 # PARITY_GPU_TESTS: test files (default: the kernel files and the kernel choice); PARITY_GPU_K: a pytest -k expression.
+# PARITY_GPU_BENCH: a script of benchmarks/ and its arguments, run in place of kernels.py (its --out:
+# $out/<script>.json). PARITY_GPU_STEP_S: seconds each step may take (a kernel that hangs then costs its step, and
+# the logs of the others come back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
@@ -12,6 +15,8 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export TRITON_DEFAULT_FP_FUSION=1
 py="${PYTHON:-python3}"
+limit=()
+[ -n "${PARITY_GPU_STEP_S:-}" ] && limit=(timeout "$PARITY_GPU_STEP_S")
 
 # PARITY_WHEEL: a wheel of this checkout built elsewhere (where the GPU machine lacks setuptools)
 site="$(mktemp -d)"
@@ -33,17 +38,22 @@ print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else 
 EOF
 
 # Build the CUDA extensions side by side first (each is one nvcc run), so the tests find them ready.
-"$py" scripts/build_cuda.py 2>&1 | tee "$out/build.log"
+"${limit[@]}" "$py" scripts/build_cuda.py 2>&1 | tee "$out/build.log"
 
 tests=()
 for f in ${PARITY_GPU_TESTS:-tests/test_ternary_kernels.py tests/test_int8x_kernels.py tests/test_int8x_native.py tests/test_int8x_planes.py tests/test_choose.py}; do
     [ -f "$f" ] && tests+=("$f")
 done
-"$py" -m pytest -p no:cacheprovider -m "gpu or not vllm" -q -rs --durations=15 ${PARITY_GPU_K:+-k "$PARITY_GPU_K"} \
+"${limit[@]}" "$py" -m pytest -p no:cacheprovider -m "gpu or not vllm" -q -rs --durations=15 ${PARITY_GPU_K:+-k "$PARITY_GPU_K"} \
     --junitxml="$out/kernel_tests.xml" "${tests[@]}" 2>&1 | tee "$out/kernel_tests.log"
 test_rc=${PIPESTATUS[0]}
 
-"$py" benchmarks/kernels.py --out "$out/kernels_h200.json" "$@" 2>&1 | tee "$out/bench.log"
+bench=(benchmarks/kernels.py --out "$out/kernels_h200.json")
+if [ -n "${PARITY_GPU_BENCH:-}" ]; then
+    read -ra bench <<< "$PARITY_GPU_BENCH"
+    bench+=(--out "$out/$(basename "${bench[0]}" .py).json")
+fi
+"${limit[@]}" "$py" "${bench[@]}" "$@" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
 
 # The kernels candidate's parity on CUDA, prefill and decode steps (PARITY_GPU_PARITY=0 skips it).
