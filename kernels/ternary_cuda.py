@@ -213,7 +213,8 @@ def linear_bulk(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias:
                 pdl: bool = True) -> torch.Tensor:
     """``y = x @ W^T (+ bias)`` on the tiles for at most 8 tokens, each block's run of row tiles streamed into shared
     memory by bulk copies (compute capability 9): ``warps`` consumer warps (8 or 16), ``blocks`` blocks (0: one a
-    multiprocessor), at most ``slots`` stages in the ring (0: as many as the shared memory holds)."""
+    multiprocessor, in more waves where one wave's runs of tiles leave no shared memory for their partial sums),
+    at most ``slots`` stages in the ring (0: as many as the shared memory holds)."""
     if x.dim() == 2 and x.shape[0] > 8:
         raise ValueError(f"ternary bulk kernel: at most 8 tokens, got {x.shape[0]}")
     if warps not in (8, 16):

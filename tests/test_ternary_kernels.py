@@ -1154,6 +1154,24 @@ def test_gpu_bulk_matches_reference(warps, blocks, slots):
 
 @pytest.mark.gpu
 @needs_sm90
+def test_gpu_bulk_takes_a_second_wave_where_one_leaves_no_shared_memory():
+    """At 16 warps and 3-8 tokens a block's partial sums take 8 KB a row tile, so 70000 rows over one wave of blocks
+    do not fit: the default grid takes two waves and matches the reference; too few blocks asked for is an error
+    that says so."""
+    case = dict(spec=PRESETS["seed-article"], m=5, n=70000, k=256, dtype=torch.float16, scale_dtype=torch.float32,
+                weights="random", activations="normal", layout="contiguous", bias=True, seed=31)
+    built = build(case, "cuda")
+    nat = built["native"].with_tiles()
+    out = ternary_cuda.linear_bulk(built["x"], nat.tiles, nat.scale, built["bias"], case["n"], case["k"], 0, False,
+                                   warps=16)
+    check(out, built, case, "bulk, default grid")
+    with pytest.raises(RuntimeError, match="leave no shared memory for a stage; more blocks would"):
+        ternary_cuda.linear_bulk(built["x"], nat.tiles, nat.scale, None, case["n"], case["k"], 0, False, warps=16,
+                                 blocks=torch.cuda.get_device_properties(0).multi_processor_count)
+
+
+@pytest.mark.gpu
+@needs_sm90
 def test_gpu_bulk_in_a_graph_after_a_dependent_launch():
     """Two bulk layers chained in a CUDA graph (programmatic dependent launches, the intermediate NaN before every
     replay): the second reads the first's output only once it is written, every replay."""

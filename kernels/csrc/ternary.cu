@@ -752,12 +752,16 @@ void launch_bulk_cfg(const T* xp, const torch::Tensor& tiles, const torch::Tenso
               info.minor);
   TORCH_CHECK((reinterpret_cast<uintptr_t>(tiles.data_ptr()) & 15) == 0,
               "ternary bulk kernel: tiles must start 16-byte aligned (bulk copies)");
-  const int grid = std::min(NT, blocks > 0 ? blocks : info.sms);
+  // 0 blocks: one a multiprocessor, in as many waves as leave every block its slots and a stage
+  const int64_t fit = (info.smem_optin - bulk_smem_bytes(W, FEW, 1, 0)) / bulk_smem_bytes(W, FEW, 0, 1);
+  const int64_t waves = std::max<int64_t>(1, (NT + info.sms * fit - 1) / (info.sms * fit));
+  const int grid = (int)std::min<int64_t>(NT, blocks > 0 ? blocks : info.sms * waves);
   const int tpb = (NT + grid - 1) / grid;
   const int64_t stages = ((int64_t)tpb * KC + W - 1) / W;
   int64_t slots = (info.smem_optin - bulk_smem_bytes(W, FEW, 0, tpb)) / (W * 512 + 16);
   slots = std::min<int64_t>(std::min<int64_t>(slots, stages), max_slots > 0 ? max_slots : stages);
-  TORCH_CHECK(slots >= 1, "ternary bulk kernel: ", tpb, " row tiles a block leave no shared memory for a stage");
+  TORCH_CHECK(slots >= 1, "ternary bulk kernel: ", tpb, " row tiles a block (N = ", a.N, " over ", grid,
+              " blocks) leave no shared memory for a stage; more blocks would (0 chooses them)");
   launch_kernel(bulk_kernel<T, W, FEW, GROUP>, dim3(grid), 32 * (W + 1), (int)bulk_smem_bytes(W, FEW, slots, tpb), a.pdl,
                 a.stream, xp, a.sxm, reinterpret_cast<const uint4*>(tiles.data_ptr<int32_t>()),
                 (const float*)scale.data_ptr<float>(), a.bias, a.sx, yp, a.M, a.N, a.K, NT, KC, a.G, a.CPG, (int)slots, tpb,
@@ -851,8 +855,9 @@ torch::Tensor ternary_linear_mma_rows(torch::Tensor x, torch::Tensor qweight, to
   return linear_mma(x, qweight, true, scale, bias, n, k, group_size, act_quant, tn, mb, warps, loads, pdl);
 }
 
-// The bulk kernel on the tiles: warps consumer warps (8 or 16), blocks blocks (0: one a multiprocessor), at most
-// slots stages in the ring (0: as many as the block's run or the shared memory takes).
+// The bulk kernel on the tiles: warps consumer warps (8 or 16), blocks blocks (0: one a multiprocessor, more waves
+// where a wave's runs leave no shared memory), at most slots stages in the ring (0: as many as the block's run or the
+// shared memory takes).
 torch::Tensor ternary_linear_bulk(torch::Tensor x, torch::Tensor tiles, torch::Tensor scale,
                                   c10::optional<torch::Tensor> bias, int64_t n, int64_t k, int64_t group_size,
                                   bool act_quant, int64_t warps, int64_t blocks, int64_t slots, bool pdl) {
