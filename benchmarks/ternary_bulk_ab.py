@@ -30,15 +30,14 @@ CHECKS = ((4096, 14336), (14336, 4096), (1000, 100), (2048, 2080), (256, 16), (3
 
 
 def bulk(x, native, cfg, bias=None, act_quant=False):
-    return ternary_cuda.extension().ternary_linear_bulk(x, native.tiles, native.scale, bias, native.n, native.k,
-                                                        native.group_size, act_quant, cfg["warps"], cfg["blocks"],
-                                                        cfg["slots"], True)
+    return ternary_cuda.linear_bulk(x, native.tiles, native.scale, bias, native.n, native.k, native.group_size,
+                                    act_quant, **cfg)
 
 
 def op(x, native, bias=None, act_quant=False):
-    g = native.group_size
-    cfg = ternary_cuda._fit_instance(ternary_cuda.mma_config(x.shape[0], native.n, native.k, group_size=g), g)
-    return ternary_cuda.linear_mma(x, native.tiles, native.scale, bias, native.n, native.k, g, act_quant, config=cfg)
+    """The tensor-core kernel at the op's launch (``mma_config``)."""
+    return ternary_cuda.linear_mma(x, native.tiles, native.scale, bias, native.n, native.k, native.group_size,
+                                   act_quant)
 
 
 def check(shapes=CHECKS) -> list[dict]:

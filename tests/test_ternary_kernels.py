@@ -545,17 +545,6 @@ def _bench(name: str):
     return module
 
 
-def _line_diff(a: str, b: str) -> list[tuple[str, str]]:
-    """(op, line) for b against a, op "=" for a kept line, "+" added, "-" removed."""
-    out = []
-    al, bl = a.splitlines(), b.splitlines()
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=al, b=bl, autojunk=False).get_opcodes():
-        out += [("=", line) for line in al[i1:i2]] if tag == "equal" else []
-        out += [("-", "-" + line) for line in al[i1:i2]] if tag in ("delete", "replace") else []
-        out += [("+", "+" + line) for line in bl[j1:j2]] if tag in ("insert", "replace") else []
-    return out
-
-
 def test_revision_build_compiles_out_only_the_op_registrations(monkeypatch):
     """benchmarks/ternary_group_ab.py builds an earlier ternary.cu beside the installed extension: both
     TORCH_LIBRARY blocks (whose op names the extension holds) go, whole; every other line stays."""
@@ -567,8 +556,11 @@ def test_revision_build_compiles_out_only_the_op_registrations(monkeypatch):
     assert len(blocks) == 2, "both TORCH_LIBRARY blocks, once each"
     assert [b[:b.index("#endif\n")].split("(")[0] for b in blocks] == ["TORCH_LIBRARY", "TORCH_LIBRARY_IMPL"]
     assert all(b[:b.index("#endif\n")].rstrip().endswith("}") for b in blocks), "each block ends at its brace"
-    inserted = [line for op, line in _line_diff(src, out) if op != "="]
-    assert inserted == ["+#if 0", "+#endif"] * 2, "only the two blocks' guards added, nothing removed"
+    src_lines, out_lines = src.splitlines(), out.splitlines()
+    changes = [(tag, src_lines[i1:i2], out_lines[j1:j2]) for tag, i1, i2, j1, j2 in
+               difflib.SequenceMatcher(a=src_lines, b=out_lines, autojunk=False).get_opcodes() if tag != "equal"]
+    assert changes == [("insert", [], ["#if 0"]), ("insert", [], ["#endif"])] * 2, \
+        "only the two blocks' guards added, nothing removed"
     assert "PYBIND11_MODULE" in out.split("#endif\n")[-1], "the pybind functions stay compiled"
 
 

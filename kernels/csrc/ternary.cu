@@ -599,14 +599,15 @@ void dispatch_mma(const T* xp, const torch::Tensor& w, const torch::Tensor& scal
 // The arguments of a tensor-core launch from x; with act_quant, x's int8 levels and s_x (act_quant_kernel, launched
 // here first) in xq and sxt, which the caller keeps until its launch.
 template <typename T>
-MmaArgs mma_args(const torch::Tensor& x, int N, int K, int KW, int G, int warps, const float* bias, bool act_quant,
-                 bool pdl, torch::Tensor& xq, torch::Tensor& sxt, const T*& xp) {
+MmaArgs mma_args(const torch::Tensor& x, const torch::Tensor& scale, int N, int K, int KW, int group_size, int warps,
+                 const float* bias, bool act_quant, bool pdl, torch::Tensor& xq, torch::Tensor& sxt, const T*& xp) {
   MmaArgs a{};
   a.M = x.size(0);
   a.N = N;
   a.K = K;
   a.KW = KW;
-  a.G = G;
+  a.G = scale.size(1);
+  a.CPG = group_size > 0 ? group_size / TILE_K : 1;
   a.warps = warps;
   a.bias = bias;
   a.pdl = pdl;
@@ -633,9 +634,9 @@ void launch_mma(const torch::Tensor& x, const torch::Tensor& w, bool rows, const
                 int warps, int loads, bool pdl) {
   torch::Tensor xq, sxt;
   const T* xp;
-  MmaArgs a = mma_args<T>(x, N, K, rows ? (int)w.size(1) : 0, scale.size(1), warps, bias, act_quant, pdl, xq, sxt, xp);
+  MmaArgs a = mma_args<T>(x, scale, N, K, rows ? (int)w.size(1) : 0, group_size, warps, bias, act_quant, pdl, xq, sxt,
+                          xp);
   const bool group = group_size > 0;
-  a.CPG = group ? group_size / TILE_K : 1;
   T* yp = reinterpret_cast<T*>(y.data_ptr());
   if (rows)
     dispatch_mma<T, true>(xp, w, scale, yp, a, tn, mb, loads, group);
@@ -774,8 +775,7 @@ void launch_bulk(const torch::Tensor& x, const torch::Tensor& tiles, const torch
                  bool pdl) {
   torch::Tensor xq, sxt;
   const T* xp;
-  MmaArgs a = mma_args<T>(x, N, K, 0, scale.size(1), warps, bias, act_quant, pdl, xq, sxt, xp);
-  a.CPG = group_size > 0 ? group_size / TILE_K : 1;
+  MmaArgs a = mma_args<T>(x, scale, N, K, 0, group_size, warps, bias, act_quant, pdl, xq, sxt, xp);
   T* yp = reinterpret_cast<T*>(y.data_ptr());
   const bool few = a.M <= 2, group = group_size > 0;
 #define PARITY_BULK(W_, FEW_, GROUP_)                    \
