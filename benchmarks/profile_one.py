@@ -3,9 +3,6 @@
     ncu --clock-control none -k regex:mma_kernel -c 1 python3 benchmarks/profile_one.py cuda_mma 4096 14336 1
 
 A fifth argument, a JSON object, sets the tensor-core kernel's configuration (``vllm_parity.serving.ternary_cuda.mma_config``).
-The bulk kernel (at most 8 tokens), its keyword arguments in the JSON object (``warps``, ``blocks``, ``slots``):
-
-    ncu --clock-control none -k regex:bulk_kernel -c 1 python3 benchmarks/profile_one.py cuda_bulk 4096 14336 1
 
 The int8x planes GEMV (kernels/int8x_planes_cuda.py) on the seed mix, bf16 x, three calls (skip two: the first
 builds nothing but may touch cold memory):
@@ -79,9 +76,7 @@ def main(argv: list[str]) -> int:
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
     config = json.loads(argv[4]) if len(argv) > 4 else None
     for _ in range(3):
-        if kernel == "cuda_bulk":
-            ternary_cuda.linear_bulk(x, nat.tiles, nat.scale, None, n, k, nat.group_size, nat.act_quant, **(config or {}))
-        elif config is not None:
+        if config is not None:
             ternary_cuda.linear_mma(x, nat.tiles, nat.scale, None, n, k, nat.group_size, nat.act_quant, config=config)
         else:
             ternary_ops.ternary_linear_op(x, nat.qweight, nat.scale, None, k, nat.group_size, nat.act_quant, kernel,

@@ -185,6 +185,9 @@ def _check_mma_args(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, n: in
     if w.dtype != torch.int32 or tuple(w.shape) != want or not w.is_contiguous():
         raise ValueError(f"{op}: {what} must be contiguous int32 {want} for N={n} K={k}, got "
                          f"{w.dtype} {tuple(w.shape)}")
+    if not rows and w.data_ptr() % 16:
+        raise ValueError(f"{op}: tiles must start 16-byte aligned (a lane's tile is one 16-byte load), got an "
+                         f"address {w.data_ptr() % 16} bytes past")
     if scale.dtype != torch.float32 or scale.dim() != 2 or scale.shape[0] != n or not scale.is_contiguous():
         raise ValueError(f"{op}: scale must be contiguous fp32 (N={n}, G), got {scale.dtype} "
                          f"{tuple(scale.shape)}")
@@ -206,24 +209,6 @@ def linear_mma(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: 
     launch = extension().ternary_linear_mma_rows if rows else extension().ternary_linear_mma
     return launch(x, tiles, scale, bias, n, k, group_size, act_quant, cfg["tn"], cfg["mb"], cfg["warps"],
                   cfg["loads"], bool(cfg["pdl"]))
-
-
-def linear_bulk(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
-                group_size: int, act_quant: bool, warps: int = 16, blocks: int = 0, slots: int = 0,
-                pdl: bool = True) -> torch.Tensor:
-    """``y = x @ W^T (+ bias)`` on the tiles for at most 8 tokens, each block's run of row tiles streamed into shared
-    memory by bulk copies (compute capability 9): ``warps`` consumer warps (8 or 16), ``blocks`` blocks (0: one a
-    multiprocessor, in more waves where one wave's runs of tiles leave no shared memory for their partial sums),
-    at most ``slots`` stages in the ring (0: as many as the shared memory holds)."""
-    if x.dim() == 2 and x.shape[0] > 8:
-        raise ValueError(f"ternary bulk kernel: at most 8 tokens, got {x.shape[0]}")
-    if warps not in (8, 16):
-        raise ValueError(f"ternary bulk kernel: warps must be 8 or 16, got {warps}")
-    _check_mma_args(x, tiles, scale, n, k, group_size, op="ternary bulk kernel")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    return extension().ternary_linear_bulk(x, tiles, scale, bias, n, k, group_size, act_quant, warps, blocks, slots,
-                                           pdl and _pdl_supported())
 
 
 def dequant(qweight: torch.Tensor, scale: torch.Tensor, k: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:

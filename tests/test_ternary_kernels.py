@@ -1092,14 +1092,10 @@ def test_gpu_mma_dependent_launch_waits_for_its_input(tn, loads):
     nat = built["native"].with_tiles()
     cfg = dict(tn=tn, loads=loads, pdl=True, warps=8)
 
-    _check_two_layers_in_a_graph(lambda x: ternary_cuda.linear_mma(x, nat.tiles, nat.scale, None, nat.n, nat.k,
-                                                                   nat.group_size, nat.act_quant, config=cfg),
-                                 built, case)
+    def layer(x):
+        return ternary_cuda.linear_mma(x, nat.tiles, nat.scale, None, nat.n, nat.k, nat.group_size, nat.act_quant,
+                                       config=cfg)
 
-
-def _check_two_layers_in_a_graph(layer, built: dict, case: dict) -> None:
-    """layer(layer(x)) captured in a CUDA graph: both outputs match the reference at every replay, each buffer NaN
-    before it (the second layer reads the first's output only once it is written)."""
     x = built["x"].clone()
     layer(layer(x))
     torch.cuda.synchronize()
@@ -1116,77 +1112,31 @@ def _check_two_layers_in_a_graph(layer, built: dict, case: dict) -> None:
         check(y2, dict(built, **expected(y1, built["w64"], case["spec"], None)), case, f"second layer, replay {i}")
 
 
-needs_sm90 = pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9,
-                                reason="needs compute capability 9 (bulk copies)")
-
-
 @pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("warps", [8, 16])
-@pytest.mark.parametrize("blocks, slots", [(0, 0), (0, 1), (5, 2), (1000, 0)])
-def test_gpu_bulk_matches_reference(warps, blocks, slots):
-    """The bulk kernel at each instance (1-2 and 3-8 tokens, with and without group scales), with the ring holding a
-    block's whole run, one stage, or two stages over a long run (5 blocks), and more blocks than row tiles; ragged N,
-    K (padding chunks), fewer chunks a tile than warps (K = 300), activation quantization, bias."""
-    for i, (m, n, k, spec) in enumerate([(1, 200, 1000, PRESETS["seed-article"]), (2, 44, 4096, PRESETS["hf-bitnet"]),
-                                         (5, 130, 640, TernarySpec(scale_granularity="group", group_size=128)),
-                                         (8, 77, 2304, TernarySpec(scale_granularity="group", group_size=256)),
-                                         (1, 300, 256, TernarySpec(scale_granularity="group", group_size=128)),
-                                         (7, 33, 300, PRESETS["seed-article"])]):
-        case = dict(spec=spec, m=m, n=n, k=k, dtype=(torch.float16, torch.bfloat16)[i % 2],
-                    scale_dtype=torch.float32, weights="random", activations="normal", layout="contiguous",
-                    bias=i % 3 != 1, seed=400 + i)
-        built = build(case, "cuda")
-        nat = built["native"].with_tiles()
-        with poisoned_empty():
-            out = ternary_cuda.linear_bulk(built["x"], nat.tiles, nat.scale, built["bias"], n, k, nat.group_size,
-                                           nat.act_quant, warps=warps, blocks=blocks, slots=slots)
-        check(out, built, case, f"bulk warps={warps} blocks={blocks} slots={slots}")
-
-
-@pytest.mark.gpu
-@needs_sm90
-def test_gpu_bulk_takes_a_second_wave_where_one_leaves_no_shared_memory():
-    """At 16 warps and 3-8 tokens a block's partial sums take 8 KB a row tile, so 70000 rows over one wave of blocks
-    do not fit: the default grid takes two waves and matches the reference; too few blocks asked for is an error
-    that says so."""
-    case = dict(spec=PRESETS["seed-article"], m=5, n=70000, k=256, dtype=torch.float16, scale_dtype=torch.float32,
-                weights="random", activations="normal", layout="contiguous", bias=True, seed=31)
+@needs_cuda
+def test_gpu_tiles_off_16_byte_alignment_are_an_error_from_the_ops():
+    """A lane's tile is one 16-byte load: tiles that start elsewhere are an error that says so from the C++ ops on
+    the tiles (which Python does not check first), and the process goes on (the next call runs)."""
+    case = dict(spec=PRESETS["seed-article"], m=1, n=300, k=1000, dtype=torch.float16, scale_dtype=torch.float32,
+                weights="random", activations="normal", layout="contiguous", bias=False, seed=52)
     built = build(case, "cuda")
     nat = built["native"].with_tiles()
-    out = ternary_cuda.linear_bulk(built["x"], nat.tiles, nat.scale, built["bias"], case["n"], case["k"], 0, False,
-                                   warps=16)
-    check(out, built, case, "bulk, default grid")
-    with pytest.raises(RuntimeError, match="leave no shared memory for a stage; more blocks would"):
-        ternary_cuda.linear_bulk(built["x"], nat.tiles, nat.scale, None, case["n"], case["k"], 0, False, warps=16,
-                                 blocks=torch.cuda.get_device_properties(0).multi_processor_count)
+    shifted = torch.zeros(nat.tiles.numel() + 1, dtype=torch.int32, device="cuda")[1:].view(nat.tiles.shape)
+    ops = ternary_cuda.ops()
+    for run in (lambda: ops.mma(built["x"], shifted, nat.scale, None, nat.n, nat.k, 0, False),
+                lambda: ops.dequant_tiles(shifted, nat.scale, nat.n, nat.k, 0, torch.float16)):
+        with pytest.raises(RuntimeError, match="tiles must start 16-byte aligned .* 4 bytes past"):
+            run()
+    check(ops.mma(built["x"], nat.tiles, nat.scale, None, nat.n, nat.k, 0, False), built, case, "after the errors")
 
 
-@pytest.mark.gpu
-@needs_sm90
-def test_gpu_bulk_in_a_graph_after_a_dependent_launch():
-    """Two bulk layers chained in a CUDA graph (programmatic dependent launches, the intermediate NaN before every
-    replay): the second reads the first's output only once it is written, every replay."""
-    case = dict(spec=PRESETS["seed-article"], m=1, n=2048, k=2048, dtype=torch.float16, scale_dtype=torch.float32,
-                weights="random", activations="normal", layout="contiguous", bias=False, seed=23)
-    built = build(case, "cuda")
-    nat = built["native"].with_tiles()
-
-    _check_two_layers_in_a_graph(lambda x: ternary_cuda.linear_bulk(x, nat.tiles, nat.scale, None, nat.n, nat.k, 0,
-                                                                     False), built, case)
-
-
-def test_bulk_rejects_what_it_cannot_take():
-    """Argument errors are Python errors naming the argument, before anything reaches the device."""
+def test_tensor_core_kernel_rejects_tiles_off_16_byte_alignment():
+    """Tiles that do not start 16-byte aligned are a ValueError that says so, before anything reaches the device."""
     nat = repack(pack_codes(torch.zeros(16, 128, dtype=torch.int64), PRESETS["seed-article"]), torch.ones(16),
                  PRESETS["seed-article"], 16, 128).with_tiles()
-    x = torch.zeros(9, 128, dtype=torch.float16)
-    with pytest.raises(ValueError, match="at most 8 tokens, got 9"):
-        ternary_cuda.linear_bulk(x, nat.tiles, nat.scale, None, 16, 128, 0, False)
-    with pytest.raises(ValueError, match="warps must be 8 or 16, got 12"):
-        ternary_cuda.linear_bulk(x[:1], nat.tiles, nat.scale, None, 16, 128, 0, False, warps=12)
-    with pytest.raises(ValueError, match="ternary bulk kernel: tiles must be contiguous int32"):
-        ternary_cuda.linear_bulk(x[:1], nat.tiles[:, :, :, :2], nat.scale, None, 16, 128, 0, False)
+    shifted = torch.zeros(nat.tiles.numel() + 1, dtype=torch.int32)[1:].view(nat.tiles.shape)
+    with pytest.raises(ValueError, match="tiles must start 16-byte aligned .* 4 bytes past"):
+        ternary_cuda.linear_mma(torch.zeros(1, 128, dtype=torch.float16), shifted, nat.scale, None, 16, 128, 0, False)
 
 
 @pytest.mark.gpu

@@ -644,149 +644,6 @@ void launch_mma(const torch::Tensor& x, const torch::Tensor& w, bool rows, const
     dispatch_mma<T, false>(xp, w, scale, yp, a, tn, mb, loads, group);
 }
 
-// ---------------------------------------------------------------------------------------------
-// Bulk kernel: one token fragment (M <= 8) on the tiles. A block a multiprocessor owns a run of
-// whole row tiles, which are one run of bytes; one thread streams them into a ring of shared-memory stages by bulk
-// copies (a stage: a 512-byte chunk for each of the W consumer warps), all at once where the ring holds the run, so
-// that DRAM sees few long requests as in a streaming read. Consumer warp w decodes chunk w of every stage (the decode
-// and MMAs of mma_kernel), so it takes the chunks w, w + W, ... of the run, and writes its sums of a tile to its own
-// slot when it moves on; the block adds the slots in warp order (the same sum every call).
-template <typename T, int W, bool FEW, bool GROUP>  // FEW: M <= 2, whose outputs are the sums of lanes t = 0
-__global__ void __launch_bounds__(32 * (W + 1), 1)
-bulk_kernel(const T* __restrict__ x, int64_t sxm, const uint4* __restrict__ tiles, const float* __restrict__ scale,
-            const float* __restrict__ bias, const float* __restrict__ sx, T* __restrict__ y, int M, int N, int K,
-            int NT, int KC, int G, int CPG, int slots, int tpb, bool xvec) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // bulk copies and mbarrier waits; the host asks for 9 first
-  constexpr int STAGE = W * 512, LANES = FEW ? 8 : 32, COLS = FEW ? 2 : 8;
-  extern __shared__ __align__(128) uint8_t bulk_smem[];
-  float4* part = reinterpret_cast<float4*>(bulk_smem + (int64_t)slots * STAGE);  // [tpb][W][LANES]
-  const uint32_t ring = parity::smem_addr(bulk_smem);
-  const uint32_t full = ring + slots * STAGE + tpb * W * LANES * 16, empty = full + 8 * slots;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int t0 = (int)((int64_t)blockIdx.x * NT / gridDim.x), t1 = (int)((int64_t)(blockIdx.x + 1) * NT / gridDim.x);
-  const int units = (t1 - t0) * KC, stages = (units + W - 1) / W;
-  for (int i = threadIdx.x; i < tpb * W * LANES; i += blockDim.x) part[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < slots; ++s) {
-      parity::mbar_init(full + 8 * s, 1);
-      parity::mbar_init(empty + 8 * s, W);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
-  pdl_launch_dependents();
-  if (warp == W) {
-    if (lane == 0) {  // the weights before the wait: nothing in the stream writes them
-      const uint8_t* src = reinterpret_cast<const uint8_t*>(tiles + (int64_t)t0 * KC * 32);
-      for (int i = 0; i < stages; ++i) {
-        const int s = i % slots;
-        if (i >= slots) parity::mbar_wait(empty + 8 * s, (i / slots - 1) & 1);
-        const uint32_t bytes = (uint32_t)min(W, units - i * W) * 512;
-        parity::mbar_arrive_expect_tx(full + 8 * s, bytes);
-        parity::bulk_copy(ring + s * STAGE, src + (int64_t)i * STAGE, bytes, full + 8 * s);
-      }
-    }
-  } else {
-    pdl_wait();
-    const int g = lane >> 2, t = lane & 3;
-    float acc[1][1][4] = {};
-    int tl = warp / KC, c = warp % KC, cur = tl;  // the tile (of the block) and chunk of unit i W + warp
-    auto flush = [&] {
-      if (!FEW || t == 0)
-        part[(cur * W + warp) * LANES + (FEW ? g : lane)] =
-            make_float4(acc[0][0][0], acc[0][0][1], acc[0][0][2], acc[0][0][3]);
-    };
-    for (int i = 0; i * W + warp < units; ++i) {
-      if (tl != cur) {
-        flush();
-        cur = tl;
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc[0][0][r] = 0.f;
-      }
-      uint4 xv[1][4];
-      load_x<T, 4>(xv[0], x, sxm, g, M, K, c * TILE_K + 32 * t, xvec);
-      float sc[2] = {};
-      if constexpr (GROUP) load_scales(sc, scale, t0 + tl, c, lane, N, KC, G, CPG);
-      const int s = i % slots;
-      parity::mbar_wait(full + 8 * s, (i / slots) & 1);
-      uint4 wq[1][1];
-      asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(wq[0][0].x), "=r"(wq[0][0].y), "=r"(wq[0][0].z), "=r"(wq[0][0].w)
-                   : "r"(ring + s * STAGE + warp * 512 + lane * 16));
-      __syncwarp();
-      if (lane == 0) parity::mbar_arrive(empty + 8 * s);
-      mma_chunk_scaled<T, 1, 1, GROUP, SRC_TILES>(acc, wq, xv, [&](int) { return make_float2(sc[0], sc[1]); });
-      for (c += W; c >= KC; c -= KC) ++tl;
-    }
-    if (warp < units) flush();
-  }
-  pdl_wait();  // the producer's warp writes y too
-  __syncthreads();
-  const float* pf = reinterpret_cast<const float*>(part);
-  for (int idx = threadIdx.x; idx < (t1 - t0) * TILE_N * COLS; idx += blockDim.x) {
-    const int m = idx % COLS, row = (idx / COLS) % TILE_N, tile = idx / (COLS * TILE_N);
-    const int n = (t0 + tile) * TILE_N + row;
-    if (m >= M || n >= N) continue;
-    // C fragment element r of lane (g, t): row g + 8 (r / 2), column 2 t + r % 2
-    const int slot = FEW ? (row & 7) : (row & 7) * 4 + (m >> 1), r = 2 * (row >> 3) + (m & 1);
-    float v = 0.f;
-    for (int w = 0; w < W; ++w) v += pf[((tile * W + w) * LANES + slot) * 4 + r];
-    v *= GROUP ? 0.5f : 0.5f * scale[(int64_t)n * G];  // the decoded weights are +-2
-    if (sx) v = __fdiv_rn(v, sx[m]);
-    if (bias) v += bias[n];
-    y[(int64_t)m * N + n] = from_f<T>(v);
-  }
-#endif
-}
-
-// Shared memory of the bulk kernel: the ring, the warps' slots of tpb tiles, two mbarriers a stage.
-constexpr int64_t bulk_smem_bytes(int warps, bool few, int64_t slots, int64_t tpb) {
-  return slots * warps * 512 + tpb * warps * (few ? 8 : 32) * 16 + 16 * slots;
-}
-
-template <typename T, int W, bool FEW, bool GROUP>
-void launch_bulk_cfg(const T* xp, const torch::Tensor& tiles, const torch::Tensor& scale, T* yp, const MmaArgs& a,
-                     int blocks, int max_slots) {
-  const int NT = (a.N + TILE_N - 1) / TILE_N, KC = (a.K + TILE_K - 1) / TILE_K;
-  const parity::DeviceInfo info = parity::device_info(c10::cuda::current_device());
-  TORCH_CHECK(info.major >= 9, "ternary bulk kernel: needs compute capability 9 (bulk copies), got ", info.major, ".",
-              info.minor);
-  TORCH_CHECK((reinterpret_cast<uintptr_t>(tiles.data_ptr()) & 15) == 0,
-              "ternary bulk kernel: tiles must start 16-byte aligned (bulk copies)");
-  // 0 blocks: one a multiprocessor, in as many waves as leave every block its slots and a stage
-  const int64_t fit = (info.smem_optin - bulk_smem_bytes(W, FEW, 1, 0)) / bulk_smem_bytes(W, FEW, 0, 1);
-  const int64_t waves = std::max<int64_t>(1, (NT + info.sms * fit - 1) / (info.sms * fit));
-  const int grid = (int)std::min<int64_t>(NT, blocks > 0 ? blocks : info.sms * waves);
-  const int tpb = (NT + grid - 1) / grid;
-  const int64_t stages = ((int64_t)tpb * KC + W - 1) / W;
-  int64_t slots = (info.smem_optin - bulk_smem_bytes(W, FEW, 0, tpb)) / (W * 512 + 16);
-  slots = std::min<int64_t>(std::min<int64_t>(slots, stages), max_slots > 0 ? max_slots : stages);
-  TORCH_CHECK(slots >= 1, "ternary bulk kernel: ", tpb, " row tiles a block (N = ", a.N, " over ", grid,
-              " blocks) leave no shared memory for a stage; more blocks would (0 chooses them)");
-  launch_kernel(bulk_kernel<T, W, FEW, GROUP>, dim3(grid), 32 * (W + 1), (int)bulk_smem_bytes(W, FEW, slots, tpb), a.pdl,
-                a.stream, xp, a.sxm, reinterpret_cast<const uint4*>(tiles.data_ptr<int32_t>()),
-                (const float*)scale.data_ptr<float>(), a.bias, a.sx, yp, a.M, a.N, a.K, NT, KC, a.G, a.CPG, (int)slots, tpb,
-                a.xvec);
-}
-
-template <typename T>
-void launch_bulk(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scale, const float* bias,
-                 torch::Tensor& y, int N, int K, int group_size, bool act_quant, int warps, int blocks, int slots,
-                 bool pdl) {
-  torch::Tensor xq, sxt;
-  const T* xp;
-  MmaArgs a = mma_args<T>(x, scale, N, K, 0, group_size, warps, bias, act_quant, pdl, xq, sxt, xp);
-  T* yp = reinterpret_cast<T*>(y.data_ptr());
-  const bool few = a.M <= 2, group = group_size > 0;
-#define PARITY_BULK(W_, FEW_, GROUP_)                    \
-  if (warps == W_ && few == FEW_ && group == GROUP_)     \
-    return launch_bulk_cfg<T, W_, FEW_, GROUP_>(xp, tiles, scale, yp, a, blocks, slots);
-  PARITY_BULK(8, true, false) PARITY_BULK(8, false, false) PARITY_BULK(16, true, false) PARITY_BULK(16, false, false)
-  PARITY_BULK(8, true, true) PARITY_BULK(8, false, true) PARITY_BULK(16, true, true) PARITY_BULK(16, false, true)
-#undef PARITY_BULK
-  TORCH_CHECK(false, "ternary bulk kernel: no instance for warps=", warps);
-}
-
 // The bias as contiguous fp32, which the kernels read; undefined when there is none.
 torch::Tensor float_bias(const c10::optional<torch::Tensor>& bias) {
   return bias.has_value() ? bias->to(torch::kFloat32).contiguous() : torch::Tensor();
@@ -853,20 +710,6 @@ torch::Tensor ternary_linear_mma_rows(torch::Tensor x, torch::Tensor qweight, to
                                       bool act_quant, int64_t tn, int64_t mb, int64_t warps, int64_t loads,
                                       bool pdl) {
   return linear_mma(x, qweight, true, scale, bias, n, k, group_size, act_quant, tn, mb, warps, loads, pdl);
-}
-
-// The bulk kernel on the tiles: warps consumer warps (8 or 16), blocks blocks (0: one a multiprocessor, more waves
-// where a wave's runs leave no shared memory), at most slots stages in the ring (0: as many as the block's run or the
-// shared memory takes).
-torch::Tensor ternary_linear_bulk(torch::Tensor x, torch::Tensor tiles, torch::Tensor scale,
-                                  c10::optional<torch::Tensor> bias, int64_t n, int64_t k, int64_t group_size,
-                                  bool act_quant, int64_t warps, int64_t blocks, int64_t slots, bool pdl) {
-  check_linear(x, tiles, false, scale, n, k, group_size, "ternary bulk kernel");
-  TORCH_CHECK(x.size(0) <= 8, "ternary bulk kernel: at most 8 tokens, got ", x.size(0));
-  return run_linear(x, bias, n, [&](auto t, const float* bp, torch::Tensor& y) {
-    launch_bulk<decltype(t)>(x, tiles, scale, bp, y, (int)n, (int)k, (int)group_size, act_quant, (int)warps,
-                             (int)blocks, (int)slots, pdl);
-  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1181,10 +1024,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ternary_linear_mma_rows", &ternary_linear_mma_rows, "ternary linear on the row layout (tensor cores, small M)",
         py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias"), py::arg("n"), py::arg("k"),
         py::arg("group_size"), py::arg("act_quant"), py::arg("tn"), py::arg("mb"), py::arg("warps"), py::arg("loads"),
-        py::arg("pdl"));
-  m.def("ternary_linear_bulk", &ternary_linear_bulk, "ternary linear on the tiles, streamed by bulk copies (M <= 8)",
-        py::arg("x"), py::arg("tiles"), py::arg("scale"), py::arg("bias"), py::arg("n"), py::arg("k"),
-        py::arg("group_size"), py::arg("act_quant"), py::arg("warps"), py::arg("blocks"), py::arg("slots"),
         py::arg("pdl"));
   m.def("ternary_dequant", &ternary_dequant, "dense weight (scale folded) from the row layout", py::arg("qweight"),
         py::arg("scale"), py::arg("k"), py::arg("group_size"), py::arg("out"));

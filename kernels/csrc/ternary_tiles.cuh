@@ -17,6 +17,9 @@ inline void check_tiles(const torch::Tensor& tiles, int64_t n, int64_t k, const 
                   tiles.size(0) == (n + TILE_N - 1) / TILE_N && tiles.size(1) == (k + TILE_K - 1) / TILE_K &&
                   tiles.size(2) == 32 && tiles.size(3) == 4,
               op, ": tiles must be contiguous int32 (ceil(N/16), ceil(K/128), 32, 4) for N=", n, " K=", k);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(tiles.data_ptr()) % 16 == 0, op,
+              ": tiles must start 16-byte aligned (a lane's tile is one 16-byte load), got an address ",
+              reinterpret_cast<uintptr_t>(tiles.data_ptr()) % 16, " bytes past");
 }
 
 // Pair P of a word (inputs 2 P and 2 P + 1 at bits 2 P and 16 + 2 P) as a half2 / bfloat162 register: each
