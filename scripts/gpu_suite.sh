@@ -7,7 +7,7 @@
 # PARITY_GPU_TESTS: test files (default: the kernel files and the kernel choice); PARITY_GPU_K: a pytest -k expression.
 # PARITY_GPU_BENCH: a script of benchmarks/ and its arguments, run in place of kernels.py (its --out:
 # $out/<script>.json). PARITY_GPU_STEP_S: seconds each step may take (a kernel that hangs then costs its step, and
-# the logs of the others come back).
+# the logs of the others come back). PARITY_GPU_TEST_S: seconds each kernel test may take (default 300).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
@@ -40,12 +40,18 @@ EOF
 # Build the CUDA extensions side by side first (each is one nvcc run), so the tests find them ready.
 "${limit[@]}" "$py" scripts/build_cuda.py 2>&1 | tee "$out/build.log"
 
+# A test that crashes the process (a segmentation fault) or never returns (a kernel that hangs) costs itself, not
+# the rest of the log: the tests run in a worker process that pytest-xdist starts again after a crash, each within
+# PARITY_GPU_TEST_S seconds (pytest-timeout ends the worker), where both plugins are installed.
+test_s="${PARITY_GPU_TEST_S:-300}"
+isolate=(-n 1 --max-worker-restart 100 --timeout "$test_s" --timeout-method thread)
+"$py" -c "import xdist, pytest_timeout" 2>/dev/null || isolate=()
 tests=()
 for f in ${PARITY_GPU_TESTS:-tests/test_ternary_kernels.py tests/test_int8x_kernels.py tests/test_int8x_native.py tests/test_int8x_planes.py tests/test_choose.py}; do
     [ -f "$f" ] && tests+=("$f")
 done
 "${limit[@]}" "$py" -m pytest -p no:cacheprovider -m "gpu or not vllm" -q -rs --durations=15 ${PARITY_GPU_K:+-k "$PARITY_GPU_K"} \
-    --junitxml="$out/kernel_tests.xml" "${tests[@]}" 2>&1 | tee "$out/kernel_tests.log"
+    "${isolate[@]}" --junitxml="$out/kernel_tests.xml" "${tests[@]}" 2>&1 | tee "$out/kernel_tests.log"
 test_rc=${PIPESTATUS[0]}
 
 bench=(benchmarks/kernels.py --out "$out/kernels_h200.json")
