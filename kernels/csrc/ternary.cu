@@ -596,24 +596,24 @@ void dispatch_mma(const T* xp, const torch::Tensor& w, const torch::Tensor& scal
               group ? " with group scales" : "");
 }
 
-// The arguments of a tensor-core launch from x; with act_quant, x's int8 levels and s_x (act_quant_kernel, launched
-// here first) in xq and sxt, which the caller keeps until its launch.
+// w: the tiles, or the row layout (rows).
 template <typename T>
-MmaArgs mma_args(const torch::Tensor& x, const torch::Tensor& scale, int N, int K, int KW, int group_size, int warps,
-                 const float* bias, bool act_quant, bool pdl, torch::Tensor& xq, torch::Tensor& sxt, const T*& xp) {
+void launch_mma(const torch::Tensor& x, const torch::Tensor& w, bool rows, const torch::Tensor& scale,
+                const float* bias, torch::Tensor& y, int N, int K, int group_size, bool act_quant, int tn, int mb,
+                int warps, int loads, bool pdl) {
   MmaArgs a{};
   a.M = x.size(0);
   a.N = N;
   a.K = K;
-  a.KW = KW;
+  a.KW = rows ? (int)w.size(1) : 0;
   a.G = scale.size(1);
-  a.CPG = group_size > 0 ? group_size / TILE_K : 1;
   a.warps = warps;
   a.bias = bias;
   a.pdl = pdl;
   a.stream = c10::cuda::getCurrentCUDAStream();
-  xp = reinterpret_cast<const T*>(x.data_ptr());
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   a.sxm = x.stride(0);
+  torch::Tensor xq, sxt;
   if (act_quant) {
     xq = torch::empty({a.M, K}, x.options());
     sxt = torch::empty({a.M}, x.options().dtype(torch::kFloat32));
@@ -624,19 +624,8 @@ MmaArgs mma_args(const torch::Tensor& x, const torch::Tensor& scale, int N, int 
     a.sx = sxt.data_ptr<float>();
   }
   a.xvec = (reinterpret_cast<uintptr_t>(xp) & 15) == 0 && (a.sxm * (int64_t)sizeof(T)) % 16 == 0;
-  return a;
-}
-
-// w: the tiles, or the row layout (rows).
-template <typename T>
-void launch_mma(const torch::Tensor& x, const torch::Tensor& w, bool rows, const torch::Tensor& scale,
-                const float* bias, torch::Tensor& y, int N, int K, int group_size, bool act_quant, int tn, int mb,
-                int warps, int loads, bool pdl) {
-  torch::Tensor xq, sxt;
-  const T* xp;
-  MmaArgs a = mma_args<T>(x, scale, N, K, rows ? (int)w.size(1) : 0, group_size, warps, bias, act_quant, pdl, xq, sxt,
-                          xp);
   const bool group = group_size > 0;
+  a.CPG = group ? group_size / TILE_K : 1;
   T* yp = reinterpret_cast<T*>(y.data_ptr());
   if (rows)
     dispatch_mma<T, true>(xp, w, scale, yp, a, tn, mb, loads, group);
@@ -649,54 +638,40 @@ torch::Tensor float_bias(const c10::optional<torch::Tensor>& bias) {
   return bias.has_value() ? bias->to(torch::kFloat32).contiguous() : torch::Tensor();
 }
 
-// The checks of the tensor-core entry points, on the tiles or on the row layout (rows: w is qweight, int32
-// (N, ceil(K / 16))); op names the kernel.
-void check_linear(const torch::Tensor& x, const torch::Tensor& w, bool rows, const torch::Tensor& scale, int64_t n,
-                  int64_t k, int64_t group_size, const char* op) {
-  TORCH_CHECK(x.is_cuda() && w.is_cuda() && scale.is_cuda(), op, " needs CUDA tensors");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1, op, ": x must be (M, K=", k,
+// The tensor-core kernel on the tiles, or on the row layout (rows: w is qweight, int32 (N, ceil(K / 16))).
+torch::Tensor linear_mma(const torch::Tensor& x, const torch::Tensor& w, bool rows, const torch::Tensor& scale,
+                         const c10::optional<torch::Tensor>& bias, int64_t n, int64_t k, int64_t group_size,
+                         bool act_quant, int64_t tn, int64_t mb, int64_t warps, int64_t loads, bool pdl) {
+  TORCH_CHECK(x.is_cuda() && w.is_cuda() && scale.is_cuda(), "ternary mma kernel needs CUDA tensors");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1, "ternary mma kernel: x must be (M, K=", k,
               ") contiguous along K");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat16 || x.scalar_type() == torch::kBFloat16, op,
-              ": x must be fp16 or bf16, got ", x.scalar_type());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat16 || x.scalar_type() == torch::kBFloat16,
+              "ternary mma kernel: x must be fp16 or bf16, got ", x.scalar_type());
   if (rows) {
     TORCH_CHECK(w.scalar_type() == torch::kInt32 && w.is_contiguous() && w.dim() == 2 && w.size(0) == n &&
                     w.size(1) == (k + 15) / 16,
-                op, ": qweight must be contiguous int32 (N, ceil(K/16)) for N=", n, " K=", k);
+                "ternary mma kernel: qweight must be contiguous int32 (N, ceil(K/16)) for N=", n, " K=", k);
   } else {
-    parity::check_tiles(w, n, k, op);
+    parity::check_tiles(w, n, k, "ternary mma kernel");
   }
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.dim() == 2 &&
                   scale.size(0) == n,
-              op, ": scale must be contiguous fp32 (N, G)");
-  TORCH_CHECK(group_size == 0 || group_size % TILE_K == 0, op, ": group size ", group_size, " is not a multiple of ",
-              TILE_K);
-}
-
-// y (M, N) in x's dtype, written by launch(T(), bias as fp32 or null, y) on x's device (nothing to launch at M or
-// N = 0).
-template <typename Launch>
-torch::Tensor run_linear(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias, int64_t n, Launch launch) {
+              "ternary mma kernel: scale must be contiguous fp32 (N, G)");
+  TORCH_CHECK(group_size == 0 || group_size % TILE_K == 0, "ternary mma kernel: group size ", group_size,
+              " is not a multiple of ", TILE_K);
+  TORCH_CHECK(warps >= 1 && warps <= 16, "warps must be 1..16");
   const c10::cuda::CUDAGuard guard(x.device());
   const torch::Tensor bias_f = float_bias(bias);
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto y = torch::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0 || n == 0) return y;
   if (x.scalar_type() == torch::kFloat16)
-    launch(__half(), bp, y);
+    launch_mma<__half>(x, w, rows, scale, bp, y, (int)n, (int)k, (int)group_size, act_quant, (int)tn, (int)mb,
+                       (int)warps, (int)loads, pdl);
   else
-    launch(__nv_bfloat16(), bp, y);
+    launch_mma<__nv_bfloat16>(x, w, rows, scale, bp, y, (int)n, (int)k, (int)group_size, act_quant, (int)tn,
+                              (int)mb, (int)warps, (int)loads, pdl);
   return y;
-}
-
-torch::Tensor linear_mma(const torch::Tensor& x, const torch::Tensor& w, bool rows, const torch::Tensor& scale,
-                         const c10::optional<torch::Tensor>& bias, int64_t n, int64_t k, int64_t group_size,
-                         bool act_quant, int64_t tn, int64_t mb, int64_t warps, int64_t loads, bool pdl) {
-  check_linear(x, w, rows, scale, n, k, group_size, "ternary mma kernel");
-  TORCH_CHECK(warps >= 1 && warps <= 16, "warps must be 1..16");
-  return run_linear(x, bias, n, [&](auto t, const float* bp, torch::Tensor& y) {
-    launch_mma<decltype(t)>(x, w, rows, scale, bp, y, (int)n, (int)k, (int)group_size, act_quant, (int)tn, (int)mb,
-                            (int)warps, (int)loads, pdl);
-  });
 }
 
 torch::Tensor ternary_linear_mma(torch::Tensor x, torch::Tensor tiles, torch::Tensor scale,
