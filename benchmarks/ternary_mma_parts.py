@@ -3,7 +3,13 @@ timed in one process against the op, torch fp16 and the read of the same tiles, 
 
 - ``no_decode``: the A registers are the loaded words themselves (no shift and AND): loads, MMAs and loop only;
 - ``no_mma``: each MMA replaced by an XOR of its registers into the accumulator (the decode and the loads kept);
-- ``loads_only``: both, which leaves the weight and x loads, the loop and the epilogue.
+- ``loads_only``: both, which leaves the weight and x loads, the loop and the epilogue;
+- ``decode9``: each register of step s is pair s of the lane's four words under a mask, in place (pairs 0-5) or
+  after one shift of the word by 12 (pairs 6, 7): 9 instructions a word against 15, the decode of a layout whose
+  fields are offset binary (w + 1) at each pair's own bits, read as fp16 subnormals u 2^(2 s - 24) (u 2^-14 at
+  bits 10-11), each pair's scale its own class;
+- ``decode9_sel``: ``decode9`` with step s's x kept in the lanes of column s only (a select a B register), which
+  is where such a kernel at one token keeps each class's sums apart (column s of the accumulator).
 
 Outputs of the variants are not products; only their times are used.
 
@@ -33,10 +39,26 @@ from vllm_parity.serving.cuda_build import CSRC, LazyExtension  # noqa: E402
 
 DECODE = "parity::tile_a(wq[i][0], s, a0, a1, a2, a3);"
 RAW = "a0 = wq[i][0].x; a1 = wq[i][0].y; a2 = wq[i][0].z; a3 = wq[i][0].w;"
+CLS = """template <int P> __device__ __forceinline__ uint32_t cls_bits(uint32_t w) {
+  if constexpr (P < 6) return w & (0x00030003u << (2 * P));
+  else return (w >> 12) & (0x00030003u << (2 * (P - 6)));
+}
+#define PARITY_A9(P) case P: a0 = cls_bits<P>(q.x); a1 = cls_bits<P>(q.y); a2 = cls_bits<P>(q.z); a3 = cls_bits<P>(q.w); break;
+__device__ __forceinline__ void tile_a9(const uint4& q, int s, uint32_t& a0, uint32_t& a1, uint32_t& a2, uint32_t& a3) {
+  switch (s) { PARITY_A9(0) PARITY_A9(1) PARITY_A9(2) PARITY_A9(3) PARITY_A9(4) PARITY_A9(5) PARITY_A9(6) default: PARITY_A9(7) }
+}
+#undef PARITY_A9
+"""
+WORD_OF = "__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {"
+DECODE9 = ((WORD_OF, CLS + WORD_OF), (DECODE, "tile_a9(wq[i][0], s, a0, a1, a2, a3);"))
+B = "const uint32_t b0 = (s & 1) ? q.z : q.x, b1 = (s & 1) ? q.w : q.y;"
+B_SEL = ("const bool own = ((threadIdx.x & 31) >> 2) == s; "
+         "const uint32_t b0 = own ? ((s & 1) ? q.z : q.x) : 0u, b1 = own ? ((s & 1) ? q.w : q.y) : 0u;")
 MMA = "MmaOp<T>::run(acc[i][mb], a0, a1, a2, a3, b0, b1);"
 FOLD = ("acc[i][mb][0] = __int_as_float(__float_as_int(acc[i][mb][0]) ^ a0 ^ a1 ^ b0); "
         "acc[i][mb][1] = __int_as_float(__float_as_int(acc[i][mb][1]) ^ a2 ^ a3 ^ b1);")
-VARIANTS = {"no_decode": ((DECODE, RAW),), "no_mma": ((MMA, FOLD),), "loads_only": ((DECODE, RAW), (MMA, FOLD))}
+VARIANTS = {"no_decode": ((DECODE, RAW),), "no_mma": ((MMA, FOLD),), "loads_only": ((DECODE, RAW), (MMA, FOLD)),
+            "decode9": DECODE9, "decode9_sel": DECODE9 + ((B, B_SEL),)}
 
 
 def variant_source(source: str, edits) -> str:
