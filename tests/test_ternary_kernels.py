@@ -1131,6 +1131,59 @@ def test_gpu_tiles_off_16_byte_alignment_are_an_error_from_the_ops():
     check(ops.mma(built["x"], nat.tiles, nat.scale, None, nat.n, nat.k, 0, False), built, case, "after the errors")
 
 
+# A TORCH_CHECK in a .cu built the way the extensions are, reached through pybind and through a TORCH_LIBRARY op, in a
+# fresh process and after Triton has compiled a kernel there (as in a test session): each case in its own process.
+_CPP_ERROR_PROBE = r'''
+import sys
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+from vllm_parity.serving.cuda_build import arch_flags
+
+CU = """
+#include <torch/extension.h>
+torch::Tensor check_cu(torch::Tensor x) { TORCH_CHECK(x.numel() == 0, "probe: numel ", x.numel()); return x; }
+TORCH_LIBRARY(parity_cpp_error_probe, m) { m.def("check(Tensor x) -> Tensor"); }
+TORCH_LIBRARY_IMPL(parity_cpp_error_probe, CUDA, m) { m.impl("check", &check_cu); }
+"""
+mod = load_inline("parity_cpp_error_probe", cpp_sources="torch::Tensor check_cu(torch::Tensor x);", cuda_sources=CU,
+                  functions=["check_cu"], extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags()])
+x = torch.ones(3, device="cuda")
+case = sys.argv[1]
+if case == "op_after_triton":
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _store_one(p):
+        tl.store(p, 1.0)
+
+    _store_one[(1,)](x)
+    torch.cuda.synchronize()
+try:
+    mod.check_cu(x) if case == "pybind" else torch.ops.parity_cpp_error_probe.check(x)
+except RuntimeError as e:
+    print("raised:", str(e).splitlines()[0])
+'''
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cpp_errors_reach_python(tmp_path):
+    """The ops' checks are TORCH_CHECKs: on this machine a C++ error from a .cu built as the extensions are must reach
+    Python as a RuntimeError, through pybind and through a TORCH_LIBRARY op, also once Triton has compiled a kernel in
+    the process. A case that crashes its process names itself here (the ops' own error tests would only crash)."""
+    probe = tmp_path / "cpp_error_probe.py"
+    probe.write_text(_CPP_ERROR_PROBE)
+    failed = {}
+    for case in ("pybind", "op", "op_after_triton"):
+        r = subprocess.run([sys.executable, str(probe), case], capture_output=True, text=True, timeout=900)
+        if r.returncode != 0 or "raised: probe: numel 3" not in r.stdout:
+            failed[case] = f"exit {r.returncode}: " + " | ".join((r.stdout + r.stderr).strip().splitlines()[-6:])
+    assert not failed, failed
+
+
 def test_tensor_core_kernel_rejects_tiles_off_16_byte_alignment():
     """Tiles that do not start 16-byte aligned are a ValueError that says so, before anything reaches the device."""
     nat = repack(pack_codes(torch.zeros(16, 128, dtype=torch.int64), PRESETS["seed-article"]), torch.ones(16),
