@@ -39,18 +39,9 @@ from vllm_parity.serving.cuda_build import CSRC, LazyExtension  # noqa: E402
 
 DECODE = "parity::tile_a(wq[i][0], s, a0, a1, a2, a3);"
 RAW = "a0 = wq[i][0].x; a1 = wq[i][0].y; a2 = wq[i][0].z; a3 = wq[i][0].w;"
-CLS = """template <int P> __device__ __forceinline__ uint32_t cls_bits(uint32_t w) {
-  if constexpr (P < 6) return w & (0x00030003u << (2 * P));
-  else return (w >> 12) & (0x00030003u << (2 * (P - 6)));
-}
-#define PARITY_A9(P) case P: a0 = cls_bits<P>(q.x); a1 = cls_bits<P>(q.y); a2 = cls_bits<P>(q.z); a3 = cls_bits<P>(q.w); break;
-__device__ __forceinline__ void tile_a9(const uint4& q, int s, uint32_t& a0, uint32_t& a1, uint32_t& a2, uint32_t& a3) {
-  switch (s) { PARITY_A9(0) PARITY_A9(1) PARITY_A9(2) PARITY_A9(3) PARITY_A9(4) PARITY_A9(5) PARITY_A9(6) default: PARITY_A9(7) }
-}
-#undef PARITY_A9
-"""
-WORD_OF = "__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {"
-DECODE9 = ((WORD_OF, CLS + WORD_OF), (DECODE, "tile_a9(wq[i][0], s, a0, a1, a2, a3);"))
+DECODE9 = ((DECODE, "{ const uint4& q = wq[i][0]; const int sh = s < 6 ? 0 : 12; "
+                     "const uint32_t mask = 0x00030003u << (2 * (s % 6)); a0 = (q.x >> sh) & mask; "
+                     "a1 = (q.y >> sh) & mask; a2 = (q.z >> sh) & mask; a3 = (q.w >> sh) & mask; }"),)
 B = "const uint32_t b0 = (s & 1) ? q.z : q.x, b1 = (s & 1) ? q.w : q.y;"
 B_SEL = ("const bool own = ((threadIdx.x & 31) >> 2) == s; "
          "const uint32_t b0 = own ? ((s & 1) ? q.z : q.x) : 0u, b1 = own ? ((s & 1) ? q.w : q.y) : 0u;")
