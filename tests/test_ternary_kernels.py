@@ -27,6 +27,7 @@ import difflib
 import importlib.util
 import itertools
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -1112,22 +1113,66 @@ def test_gpu_mma_dependent_launch_waits_for_its_input(tn, loads):
         check(y2, dict(built, **expected(y1, built["w64"], case["spec"], None)), case, f"second layer, replay {i}")
 
 
+# The C++ ops' own checks (which Python does not run first), each bad call in its own process so that one that ends
+# its process instead of raising names itself and costs nothing else: the error, then a good call in the same process.
+_OP_ERROR_PROBE = r"""
+import sys
+
+import torch
+
+from vllm_parity.reference.formats.ternary import PRESETS, decode, pack_codes
+from vllm_parity.serving import ternary_cuda
+from vllm_parity.serving.ternary_repack import repack
+
+spec, n, k = PRESETS["seed-article"], 300, 1000
+gen = torch.Generator().manual_seed(52)
+codes = torch.tensor([c for c, v in enumerate(spec.code_map) if v is not None])[torch.randint(3, (n, k), generator=gen)]
+packed, scale = pack_codes(codes, spec), torch.rand(spec.scale_shape(n, k), generator=gen) + 0.5
+nat = repack(packed.cuda(), scale.cuda(), spec, n, k).with_tiles()
+tiles, s = nat.tiles, nat.scale
+x = torch.randn(1, k, generator=gen).to(torch.float16)
+shifted = torch.zeros(tiles.numel() + 1, dtype=torch.int32, device="cuda")[1:].view(tiles.shape)
+ops, xc = ternary_cuda.ops(), x.cuda()
+try:
+    eval(sys.argv[1])
+    print("no error")
+except RuntimeError as e:
+    print("raised:", str(e).splitlines()[0])
+ref = x.double() @ decode(packed, scale, spec, n, k, dtype=torch.float64).t()
+y = ops.mma(xc, tiles, s, None, n, k, 0, False).double().cpu()
+print("after: relative error", float((y - ref).abs().max() / ref.abs().max()))
+"""
+
+_OP_ERRORS = {  # the call, the message it must raise
+    "mma on tiles 4 bytes past 16": ("ops.mma(xc, shifted, s, None, n, k, 0, False)",
+                                     "tiles must start 16-byte aligned .* 4 bytes past"),
+    "dequant_tiles on tiles 4 bytes past 16": ("ops.dequant_tiles(shifted, s, n, k, 0, torch.float16)",
+                                               "tiles must start 16-byte aligned .* 4 bytes past"),
+    "mma on fp32 x": ("ops.mma(xc.float(), tiles, s, None, n, k, 0, False)", "x must be fp16 or bf16, got Float"),
+    "mma_rows on the tiles": ("ops.mma_rows(xc, tiles, s, None, n, k, 0, False)",
+                              r"qweight must be contiguous int32 \(N, ceil\(K/16\)\) for N=300 K=1000"),
+    "mma with a scale of one row": ("ops.mma(xc, tiles, s[:1], None, n, k, 0, False)",
+                                    r"scale must be contiguous fp32 \(N, G\)"),
+}
+
+
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_tiles_off_16_byte_alignment_are_an_error_from_the_ops():
-    """A lane's tile is one 16-byte load: tiles that start elsewhere are an error that says so from the C++ ops on
-    the tiles (which Python does not check first), and the process goes on (the next call runs)."""
-    case = dict(spec=PRESETS["seed-article"], m=1, n=300, k=1000, dtype=torch.float16, scale_dtype=torch.float32,
-                weights="random", activations="normal", layout="contiguous", bias=False, seed=52)
-    built = build(case, "cuda")
-    nat = built["native"].with_tiles()
-    shifted = torch.zeros(nat.tiles.numel() + 1, dtype=torch.int32, device="cuda")[1:].view(nat.tiles.shape)
-    ops = ternary_cuda.ops()
-    for run in (lambda: ops.mma(built["x"], shifted, nat.scale, None, nat.n, nat.k, 0, False),
-                lambda: ops.dequant_tiles(shifted, nat.scale, nat.n, nat.k, 0, torch.float16)):
-        with pytest.raises(RuntimeError, match="tiles must start 16-byte aligned .* 4 bytes past"):
-            run()
-    check(ops.mma(built["x"], nat.tiles, nat.scale, None, nat.n, nat.k, 0, False), built, case, "after the errors")
+def test_gpu_op_checks_are_errors_and_the_process_goes_on(tmp_path):
+    """Bad arguments to the C++ ops (tiles off 16-byte alignment, a lane's tile being one 16-byte load; x not fp16 /
+    bf16; the tiles passed as the row layout; a scale of the wrong shape) are RuntimeErrors that say so, and the next
+    call in the process runs and is right."""
+    probe = tmp_path / "op_error_probe.py"
+    probe.write_text(_OP_ERROR_PROBE)
+    failed = {}
+    for name, (call, message) in _OP_ERRORS.items():
+        r = subprocess.run([sys.executable, str(probe), call], capture_output=True, text=True, timeout=900)
+        lines = r.stdout.splitlines()
+        raised = next((line for line in lines if line.startswith("raised: ")), "")
+        after = next((float(line.split()[-1]) for line in lines if line.startswith("after: ")), math.inf)
+        if r.returncode != 0 or not re.search(message, raised) or not after < 2e-3:
+            failed[name] = f"exit {r.returncode}: " + " | ".join((r.stdout + r.stderr).strip().splitlines()[-6:])
+    assert not failed, failed
 
 
 # A TORCH_CHECK in a .cu built the way the extensions are, reached through pybind and through a TORCH_LIBRARY op, in a
@@ -1138,13 +1183,20 @@ import sys
 import torch
 from torch.utils.cpp_extension import load_inline
 
-from vllm_parity.serving.cuda_build import arch_flags
+from vllm_parity.serving.cuda_build import CSRC, arch_flags
 
 CU = """
 #include <torch/extension.h>
 torch::Tensor check_cu(torch::Tensor x) { TORCH_CHECK(x.numel() == 0, "probe: numel ", x.numel()); return x; }
 TORCH_LIBRARY(parity_cpp_error_probe, m) { m.def("check(Tensor x) -> Tensor"); }
 TORCH_LIBRARY_IMPL(parity_cpp_error_probe, CUDA, m) { m.impl("check", &check_cu); }
+"""
+HEADER_CU = """
+#include <torch/extension.h>
+#include "ternary_tiles.cuh"
+torch::Tensor check_tiles_cu(torch::Tensor x) { parity::check_tiles(x, 300, 1000, "probe"); return x; }
+TORCH_LIBRARY(parity_cpp_error_probe_header, m) { m.def("check(Tensor x) -> Tensor"); }
+TORCH_LIBRARY_IMPL(parity_cpp_error_probe_header, CUDA, m) { m.impl("check", &check_tiles_cu); }
 """
 mod = load_inline("parity_cpp_error_probe", cpp_sources="torch::Tensor check_cu(torch::Tensor x);", cuda_sources=CU,
                   functions=["check_cu"], extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags()])
@@ -1160,8 +1212,16 @@ if case == "op_after_triton":
 
     _store_one[(1,)](x)
     torch.cuda.synchronize()
+if case == "op_project_header":  # the tiles' check of csrc/ternary_tiles.cuh, as the ternary extension has it
+    load_inline("parity_cpp_error_probe_header", cpp_sources="", extra_include_paths=[str(CSRC)],
+                cuda_sources=HEADER_CU, extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags()], is_python_module=False)
 try:
-    mod.check_cu(x) if case == "pybind" else torch.ops.parity_cpp_error_probe.check(x)
+    if case == "pybind":
+        mod.check_cu(x)
+    elif case == "op_project_header":
+        torch.ops.parity_cpp_error_probe_header.check(x)
+    else:
+        torch.ops.parity_cpp_error_probe.check(x)
 except RuntimeError as e:
     print("raised:", str(e).splitlines()[0])
 '''
@@ -1172,13 +1232,17 @@ except RuntimeError as e:
 def test_gpu_cpp_errors_reach_python(tmp_path):
     """The ops' checks are TORCH_CHECKs: on this machine a C++ error from a .cu built as the extensions are must reach
     Python as a RuntimeError, through pybind and through a TORCH_LIBRARY op, also once Triton has compiled a kernel in
-    the process. A case that crashes its process names itself here (the ops' own error tests would only crash)."""
+    the process, and from the tiles' check of the ternary extension's header. A case that crashes its process names
+    itself here (the ops' own error tests would only crash)."""
     probe = tmp_path / "cpp_error_probe.py"
     probe.write_text(_CPP_ERROR_PROBE)
     failed = {}
-    for case in ("pybind", "op", "op_after_triton"):
+    numel = "raised: probe: numel 3"
+    expected = {"pybind": numel, "op": numel, "op_after_triton": numel,
+                "op_project_header": "raised: probe: tiles must be contiguous"}
+    for case, message in expected.items():
         r = subprocess.run([sys.executable, str(probe), case], capture_output=True, text=True, timeout=900)
-        if r.returncode != 0 or "raised: probe: numel 3" not in r.stdout:
+        if r.returncode != 0 or message not in r.stdout:
             failed[case] = f"exit {r.returncode}: " + " | ".join((r.stdout + r.stderr).strip().splitlines()[-6:])
     assert not failed, failed
 
