@@ -39,6 +39,11 @@ def arch_flags() -> list[str]:
     return [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
 
 
+def cuda_cflags() -> list[str]:
+    """nvcc's flags for every extension (and for a probe that must be built as they are)."""
+    return ["-O3", "-std=c++17", *arch_flags()]
+
+
 class LazyExtension:
     """One ``csrc`` source as a Python module, built on the first call; ``module`` stays None until then. A source
     given by an absolute path elsewhere (an earlier revision's, in benchmarks) is built the same way and finds
@@ -58,7 +63,7 @@ class LazyExtension:
                     from torch.utils.cpp_extension import load
 
                     self.module = load(name=self.name, sources=[str(self.source)], extra_cflags=["-O3"],
-                                       extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags()],
+                                       extra_cuda_cflags=cuda_cflags(),
                                        extra_include_paths=None if self.source.parent == CSRC else [str(CSRC)],
                                        verbose=os.environ.get("PARITY_CUDA_VERBOSE") == "1")
         return self.module

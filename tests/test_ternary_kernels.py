@@ -1162,17 +1162,26 @@ def test_gpu_op_checks_are_errors_and_the_process_goes_on(tmp_path):
     """Bad arguments to the C++ ops (tiles off 16-byte alignment, a lane's tile being one 16-byte load; x not fp16 /
     bf16; the tiles passed as the row layout; a scale of the wrong shape) are RuntimeErrors that say so, and the next
     call in the process runs and is right."""
-    probe = tmp_path / "op_error_probe.py"
-    probe.write_text(_OP_ERROR_PROBE)
-    failed = {}
-    for name, (call, message) in _OP_ERRORS.items():
-        r = subprocess.run([sys.executable, str(probe), call], capture_output=True, text=True, timeout=900)
-        lines = r.stdout.splitlines()
+    def right(stdout: str, message: str) -> bool:
+        lines = stdout.splitlines()
         raised = next((line for line in lines if line.startswith("raised: ")), "")
         after = next((float(line.split()[-1]) for line in lines if line.startswith("after: ")), math.inf)
-        if r.returncode != 0 or not re.search(message, raised) or not after < 2e-3:
-            failed[name] = f"exit {r.returncode}: " + " | ".join((r.stdout + r.stderr).strip().splitlines()[-6:])
-    assert not failed, failed
+        return bool(re.search(message, raised)) and after < 2e-3
+
+    failed = _probe_failures(tmp_path / "op_error_probe.py", _OP_ERROR_PROBE, dict(_OP_ERRORS.values()), right)
+    assert not failed, {name: failed[call] for name, (call, _) in _OP_ERRORS.items() if call in failed}
+
+
+def _probe_failures(path: Path, script: str, cases: dict[str, str], right) -> dict[str, str]:
+    """Runs ``script`` once per case (its argument), each in its own process; the cases whose process did not exit
+    0 or whose output ``right(stdout, expected)`` rejects, each with its exit status and the output's tail."""
+    path.write_text(script)
+    failed = {}
+    for case, expected in cases.items():
+        r = subprocess.run([sys.executable, str(path), case], capture_output=True, text=True, timeout=900)
+        if r.returncode != 0 or not right(r.stdout, expected):
+            failed[case] = f"exit {r.returncode}: " + " | ".join((r.stdout + r.stderr).strip().splitlines()[-6:])
+    return failed
 
 
 # A TORCH_CHECK in a .cu built the way the extensions are, reached through pybind and through a TORCH_LIBRARY op, in a
@@ -1183,7 +1192,7 @@ import sys
 import torch
 from torch.utils.cpp_extension import load_inline
 
-from vllm_parity.serving.cuda_build import CSRC, arch_flags
+from vllm_parity.serving.cuda_build import CSRC, cuda_cflags
 
 CU = """
 #include <torch/extension.h>
@@ -1199,7 +1208,7 @@ TORCH_LIBRARY(parity_cpp_error_probe_header, m) { m.def("check(Tensor x) -> Tens
 TORCH_LIBRARY_IMPL(parity_cpp_error_probe_header, CUDA, m) { m.impl("check", &check_tiles_cu); }
 """
 mod = load_inline("parity_cpp_error_probe", cpp_sources="torch::Tensor check_cu(torch::Tensor x);", cuda_sources=CU,
-                  functions=["check_cu"], extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags()])
+                  functions=["check_cu"], extra_cflags=["-O3"], extra_cuda_cflags=cuda_cflags())
 x = torch.ones(3, device="cuda")
 case = sys.argv[1]
 if case == "op_after_triton":
@@ -1214,7 +1223,7 @@ if case == "op_after_triton":
     torch.cuda.synchronize()
 if case == "op_project_header":  # the tiles' check of csrc/ternary_tiles.cuh, as the ternary extension has it
     load_inline("parity_cpp_error_probe_header", cpp_sources="", extra_include_paths=[str(CSRC)],
-                cuda_sources=HEADER_CU, extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags()], is_python_module=False)
+                cuda_sources=HEADER_CU, extra_cuda_cflags=cuda_cflags(), is_python_module=False)
 try:
     if case == "pybind":
         mod.check_cu(x)
@@ -1234,16 +1243,11 @@ def test_gpu_cpp_errors_reach_python(tmp_path):
     Python as a RuntimeError, through pybind and through a TORCH_LIBRARY op, also once Triton has compiled a kernel in
     the process, and from the tiles' check of the ternary extension's header. A case that crashes its process names
     itself here (the ops' own error tests would only crash)."""
-    probe = tmp_path / "cpp_error_probe.py"
-    probe.write_text(_CPP_ERROR_PROBE)
-    failed = {}
     numel = "raised: probe: numel 3"
     expected = {"pybind": numel, "op": numel, "op_after_triton": numel,
                 "op_project_header": "raised: probe: tiles must be contiguous"}
-    for case, message in expected.items():
-        r = subprocess.run([sys.executable, str(probe), case], capture_output=True, text=True, timeout=900)
-        if r.returncode != 0 or message not in r.stdout:
-            failed[case] = f"exit {r.returncode}: " + " | ".join((r.stdout + r.stderr).strip().splitlines()[-6:])
+    failed = _probe_failures(tmp_path / "cpp_error_probe.py", _CPP_ERROR_PROBE, expected,
+                             lambda stdout, message: message in stdout)
     assert not failed, failed
 
 
