@@ -79,7 +79,18 @@ def mma_cpp_config(m: int, n: int, k: int, group_size: int, rows: bool = False) 
 
 def dequant_tiles(tiles: torch.Tensor, scale: torch.Tensor, n: int, k: int, group_size: int,
                   dtype: torch.dtype) -> torch.Tensor:
-    """The dense weight ``(N, K)`` in ``dtype`` (scale folded in) from the tiled layout."""
+    """The dense weight ``(N, K)`` in ``dtype`` (scale folded in) from the tiled layout; its arguments are checked
+    here first, as :func:`linear_mma`'s are."""
+    op = "ternary dequant_tiles"
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"{op}: dtype must be fp16, bf16 or fp32, got {dtype}")
+    _check_weight_args(tiles, scale, n, k, False, op)
+    groups = scale.shape[1]
+    if groups != 1 and (group_size <= 0 or groups * group_size != k):
+        raise ValueError(f"{op}: scale has {groups} groups, group size {group_size}, K={k}: expected one scale a "
+                         f"row or K / group size a row")
+    if tiles.device.type != "cuda" or scale.device != tiles.device:
+        raise ValueError(f"{op}: tiles and scale must be on one CUDA device, got {tiles.device}, {scale.device}")
     return ops().dequant_tiles(tiles, scale, n, k, group_size, dtype)
 
 
@@ -172,15 +183,9 @@ def _fit_instance(cfg: dict, group_size: int) -> dict:
     return cfg
 
 
-def _check_mma_args(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, n: int, k: int, group_size: int,
-                    rows: bool = False, op: str = "ternary mma kernel") -> None:
-    """The extension's preconditions as Python errors of the usual types, naming the argument (the device
-    last, so that everything else is checked wherever the tensors live); ``w`` the tiles, or the row layout
-    (``rows``); ``op`` the kernel the messages name."""
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"{op}: x must be fp16 or bf16, got {x.dtype}")
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"{op}: x must be (M, K={k}), got {tuple(x.shape)}")
+def _check_weight_args(w: torch.Tensor, scale: torch.Tensor, n: int, k: int, rows: bool, op: str) -> str:
+    """The weight's and scale's preconditions of the extension as ValueErrors naming the argument (not their device);
+    ``w`` the tiles, or the row layout (``rows``). Returns the weight's name."""
     what, want = ("qweight", (n, -(-k // 16))) if rows else ("tiles", (-(-n // 16), -(-k // 128), 32, 4))
     if w.dtype != torch.int32 or tuple(w.shape) != want or not w.is_contiguous():
         raise ValueError(f"{op}: {what} must be contiguous int32 {want} for N={n} K={k}, got "
@@ -191,6 +196,19 @@ def _check_mma_args(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, n: in
     if scale.dtype != torch.float32 or scale.dim() != 2 or scale.shape[0] != n or not scale.is_contiguous():
         raise ValueError(f"{op}: scale must be contiguous fp32 (N={n}, G), got {scale.dtype} "
                          f"{tuple(scale.shape)}")
+    return what
+
+
+def _check_mma_args(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, n: int, k: int, group_size: int,
+                    rows: bool = False, op: str = "ternary mma kernel") -> None:
+    """The extension's preconditions as Python errors of the usual types, naming the argument (the device
+    last, so that everything else is checked wherever the tensors live); ``w`` the tiles, or the row layout
+    (``rows``); ``op`` the kernel the messages name."""
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"{op}: x must be fp16 or bf16, got {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"{op}: x must be (M, K={k}), got {tuple(x.shape)}")
+    what = _check_weight_args(w, scale, n, k, rows, op)
     if group_size % 128:
         raise ValueError(f"{op}: group size {group_size} is not a multiple of 128")
     if x.device.type != "cuda" or w.device != x.device or scale.device != x.device:

@@ -466,6 +466,17 @@ def test_mma_arguments_are_checked_in_python():
         ternary_cuda.linear_gemm(x, tiles[:1], scale, None, n, k, 0, False)
     with pytest.raises(ValueError, match="ternary gemm: group size 64 is not a multiple of 128"):
         ternary_cuda.linear_gemm(x, tiles, scale, None, n, k, 64, False)
+    # the dense weight from the tiles: the tiles' and scale's checks, named for it
+    with pytest.raises(ValueError, match="ternary dequant_tiles: tiles and scale must be on one CUDA device, got cpu"):
+        ternary_cuda.dequant_tiles(tiles, scale, n, k, 0, torch.float16)
+    with pytest.raises(ValueError, match=r"ternary dequant_tiles: tiles must be contiguous int32 \(3, 2, 32, 4\)"):
+        ternary_cuda.dequant_tiles(tiles[:1], scale, n, k, 0, torch.float16)
+    with pytest.raises(ValueError, match="ternary dequant_tiles: scale must be contiguous fp32"):
+        ternary_cuda.dequant_tiles(tiles, scale[:1], n, k, 0, torch.float16)
+    with pytest.raises(ValueError, match="ternary dequant_tiles: scale has 3 groups, group size 64, K=256"):
+        ternary_cuda.dequant_tiles(tiles, torch.ones(n, 3), n, k, 64, torch.float16)
+    with pytest.raises(TypeError, match="ternary dequant_tiles: dtype must be fp16, bf16 or fp32, got torch.int8"):
+        ternary_cuda.dequant_tiles(tiles, scale, n, k, 0, torch.int8)
 
 
 @settings(max_examples=300, deadline=None)
@@ -1258,6 +1269,8 @@ def test_tensor_core_kernel_rejects_tiles_off_16_byte_alignment():
     shifted = torch.zeros(nat.tiles.numel() + 1, dtype=torch.int32)[1:].view(nat.tiles.shape)
     with pytest.raises(ValueError, match="tiles must start 16-byte aligned .* 4 bytes past"):
         ternary_cuda.linear_mma(torch.zeros(1, 128, dtype=torch.float16), shifted, nat.scale, None, 16, 128, 0, False)
+    with pytest.raises(ValueError, match="ternary dequant_tiles: tiles must start 16-byte aligned .* 4 bytes past"):
+        ternary_cuda.dequant_tiles(shifted, nat.scale, 16, 128, 0, torch.float16)
 
 
 @pytest.mark.gpu
