@@ -89,8 +89,7 @@ def dequant_tiles(tiles: torch.Tensor, scale: torch.Tensor, n: int, k: int, grou
     if groups != 1 and (group_size <= 0 or groups * group_size != k):
         raise ValueError(f"{op}: scale has {groups} groups, group size {group_size}, K={k}: expected one scale a "
                          f"row or K / group size a row")
-    if tiles.device.type != "cuda" or scale.device != tiles.device:
-        raise ValueError(f"{op}: tiles and scale must be on one CUDA device, got {tiles.device}, {scale.device}")
+    _check_one_cuda_device(op, tiles=tiles, scale=scale)
     return ops().dequant_tiles(tiles, scale, n, k, group_size, dtype)
 
 
@@ -211,9 +210,16 @@ def _check_mma_args(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, n: in
     what = _check_weight_args(w, scale, n, k, rows, op)
     if group_size % 128:
         raise ValueError(f"{op}: group size {group_size} is not a multiple of 128")
-    if x.device.type != "cuda" or w.device != x.device or scale.device != x.device:
-        raise ValueError(f"{op}: x, {what} and scale must be on one CUDA device, got {x.device}, "
-                         f"{w.device}, {scale.device}")
+    _check_one_cuda_device(op, x=x, **{what: w}, scale=scale)
+
+
+def _check_one_cuda_device(op: str, **tensors: torch.Tensor) -> None:
+    """A ValueError naming the arguments unless all of them are on one CUDA device."""
+    devices = [t.device for t in tensors.values()]
+    if devices[0].type != "cuda" or any(d != devices[0] for d in devices):
+        *first, last = tensors
+        raise ValueError(f"{op}: {', '.join(first)} and {last} must be on one CUDA device, got "
+                         f"{', '.join(map(str, devices))}")
 
 
 def linear_mma(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,

@@ -1223,9 +1223,12 @@ torch::Tensor check_tiles_cu(torch::Tensor x) { parity::check_tiles(x, 300, 1000
 TORCH_LIBRARY(parity_cpp_error_probe_header, m) { m.def("check(Tensor x) -> Tensor"); }
 TORCH_LIBRARY_IMPL(parity_cpp_error_probe_header, CUDA, m) { m.impl("check", &check_tiles_cu); }
 """
-FUNCTIONS = ["check_cu", "check_text", "check_to_string"]
-mod = load_inline("parity_cpp_error_probe", cpp_sources="".join(f"torch::Tensor {f}(torch::Tensor x);" for f in FUNCTIONS),
-                  cuda_sources=CU, functions=FUNCTIONS, extra_cflags=["-O3"], extra_cuda_cflags=cuda_cflags())
+# the cases through pybind: the integer in the message; none; the integer as a string
+PYBIND = {"pybind": "check_cu", "pybind_text": "check_text", "pybind_to_string": "check_to_string"}
+mod = load_inline("parity_cpp_error_probe", cpp_sources="".join(f"torch::Tensor {f}(torch::Tensor x);"
+                                                                for f in PYBIND.values()),
+                  cuda_sources=CU, functions=list(PYBIND.values()), extra_cflags=["-O3"],
+                  extra_cuda_cflags=cuda_cflags())
 x = torch.ones(3, device="cuda")
 case = sys.argv[1]
 if case == "op_after_triton":
@@ -1242,10 +1245,8 @@ if case == "op_project_header":  # the tiles' check of csrc/ternary_tiles.cuh, a
     load_inline("parity_cpp_error_probe_header", cpp_sources="", extra_include_paths=[str(CSRC)],
                 cuda_sources=HEADER_CU, extra_cuda_cflags=cuda_cflags(), is_python_module=False)
 try:
-    if case == "pybind":
-        mod.check_cu(x)
-    elif case.startswith("pybind_"):  # pybind_text: no number in the message; pybind_to_string: one, as a string
-        getattr(mod, "check_" + case[len("pybind_"):])(x)
+    if case in PYBIND:
+        getattr(mod, PYBIND[case])(x)
     elif case == "op_project_header":
         torch.ops.parity_cpp_error_probe_header.check(x)
     else:
