@@ -44,6 +44,14 @@ def cuda_cflags() -> list[str]:
     return ["-O3", "-std=c++17", *arch_flags()]
 
 
+def link_flags() -> list[str]:
+    """The linker's flags for every extension (and for a probe built as they are). A toolchain with only a static
+    C++ runtime (libstdc++.a) links a copy of it into each extension; exported, that copy's symbols are bound in part
+    to the process's libstdc++.so at load, and an error message that formats a number then crashes the process
+    (benchmarks/NOTES.md). Kept local, the copy stays whole; with a shared runtime the flag changes nothing."""
+    return ["-Wl,--exclude-libs,ALL"]
+
+
 class LazyExtension:
     """One ``csrc`` source as a Python module, built on the first call; ``module`` stays None until then. A source
     given by an absolute path elsewhere (an earlier revision's, in benchmarks) is built the same way and finds
@@ -63,7 +71,7 @@ class LazyExtension:
                     from torch.utils.cpp_extension import load
 
                     self.module = load(name=self.name, sources=[str(self.source)], extra_cflags=["-O3"],
-                                       extra_cuda_cflags=cuda_cflags(),
+                                       extra_cuda_cflags=cuda_cflags(), extra_ldflags=link_flags(),
                                        extra_include_paths=None if self.source.parent == CSRC else [str(CSRC)],
                                        verbose=os.environ.get("PARITY_CUDA_VERBOSE") == "1")
         return self.module

@@ -1195,6 +1195,23 @@ def _probe_failures(path: Path, script: str, cases: dict[str, str], right) -> di
     return failed
 
 
+def test_extensions_are_built_with_the_shared_flags(monkeypatch, tmp_path):
+    """Every extension gets nvcc's flags and the link flags that keep a statically linked C++ runtime to the
+    extension (on a machine whose CXX links libstdc++.a, an exported copy crashed every error message holding a
+    number; benchmarks/NOTES.md), as the C++-error probe below is built."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from vllm_parity.serving import cuda_build
+
+    seen = {}
+    monkeypatch.setattr(cuda_build, "available", lambda: True)
+    monkeypatch.setattr(cuda_build, "arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.update(kw) or "module")
+    assert cuda_build.LazyExtension("parity_probe", "ternary.cu", "probe")() == "module"
+    assert seen["extra_ldflags"] == cuda_build.link_flags() == ["-Wl,--exclude-libs,ALL"]
+    assert seen["extra_cuda_cflags"] == cuda_build.cuda_cflags()
+
+
 # A TORCH_CHECK in a .cu built the way the extensions are, reached through pybind and through a TORCH_LIBRARY op, in a
 # fresh process and after Triton has compiled a kernel there (as in a test session): each case in its own process.
 _CPP_ERROR_PROBE = r'''
@@ -1203,7 +1220,7 @@ import sys
 import torch
 from torch.utils.cpp_extension import load_inline
 
-from vllm_parity.serving.cuda_build import CSRC, cuda_cflags
+from vllm_parity.serving.cuda_build import CSRC, cuda_cflags, link_flags
 
 CU = """
 #include <torch/extension.h>
@@ -1211,6 +1228,10 @@ torch::Tensor check_cu(torch::Tensor x) { TORCH_CHECK(x.numel() == 0, "probe: nu
 torch::Tensor check_text(torch::Tensor x) { TORCH_CHECK(x.numel() == 0, "probe: text only"); return x; }
 torch::Tensor check_to_string(torch::Tensor x) {
   TORCH_CHECK(x.numel() == 0, "probe: numel ", std::to_string(x.numel()));
+  return x;
+}
+torch::Tensor check_one_string(torch::Tensor x) {
+  TORCH_CHECK(x.numel() == 0, std::string("probe: numel ") + std::to_string(x.numel()));
   return x;
 }
 TORCH_LIBRARY(parity_cpp_error_probe, m) { m.def("check(Tensor x) -> Tensor"); }
@@ -1223,12 +1244,14 @@ torch::Tensor check_tiles_cu(torch::Tensor x) { parity::check_tiles(x, 300, 1000
 TORCH_LIBRARY(parity_cpp_error_probe_header, m) { m.def("check(Tensor x) -> Tensor"); }
 TORCH_LIBRARY_IMPL(parity_cpp_error_probe_header, CUDA, m) { m.impl("check", &check_tiles_cu); }
 """
-# the cases through pybind: the integer in the message; none; the integer as a string
-PYBIND = {"pybind": "check_cu", "pybind_text": "check_text", "pybind_to_string": "check_to_string"}
+# the cases through pybind: the integer in the message; none; the integer as a string; the message as one string,
+# which c10::str passes on as it is, with no stream
+PYBIND = {"pybind": "check_cu", "pybind_text": "check_text", "pybind_to_string": "check_to_string",
+          "pybind_one_string": "check_one_string"}
 mod = load_inline("parity_cpp_error_probe", cpp_sources="".join(f"torch::Tensor {f}(torch::Tensor x);"
                                                                 for f in PYBIND.values()),
                   cuda_sources=CU, functions=list(PYBIND.values()), extra_cflags=["-O3"],
-                  extra_cuda_cflags=cuda_cflags())
+                  extra_cuda_cflags=cuda_cflags(), extra_ldflags=link_flags())
 x = torch.ones(3, device="cuda")
 case = sys.argv[1]
 if case == "op_after_triton":
@@ -1243,7 +1266,8 @@ if case == "op_after_triton":
     torch.cuda.synchronize()
 if case == "op_project_header":  # the tiles' check of csrc/ternary_tiles.cuh, as the ternary extension has it
     load_inline("parity_cpp_error_probe_header", cpp_sources="", extra_include_paths=[str(CSRC)],
-                cuda_sources=HEADER_CU, extra_cuda_cflags=cuda_cflags(), is_python_module=False)
+                cuda_sources=HEADER_CU, extra_cuda_cflags=cuda_cflags(),
+                extra_ldflags=link_flags(), is_python_module=False)
 try:
     if case in PYBIND:
         getattr(mod, PYBIND[case])(x)
@@ -1262,13 +1286,14 @@ def test_gpu_cpp_errors_reach_python(tmp_path):
     """The ops' checks are TORCH_CHECKs: on this machine a C++ error from a .cu built as the extensions are must reach
     Python as a RuntimeError, through pybind and through a TORCH_LIBRARY op, also once Triton has compiled a kernel in
     the process, and from the tiles' check of the ternary extension's header. A case that crashes its process names
-    itself here (the ops' own error tests would only crash). Two cases tell a message's number from the throw itself:
-    one without a number, one with the number given as a string (benchmarks/NOTES.md: on one machine every extension
-    built there crashed in the stream insertion of an integer)."""
+    itself here (the ops' own error tests would only crash). Three cases tell a message's number from the throw itself:
+    one without a number, one with the number given as a string, one whose message is a single string that no stream
+    formats (benchmarks/NOTES.md: on one machine every extension built there crashed in the stream insertion of an
+    integer)."""
     numel = "raised: probe: numel 3"
     expected = {"pybind": numel, "op": numel, "op_after_triton": numel,
                 "op_project_header": "raised: probe: tiles must be contiguous",
-                "pybind_text": "raised: probe: text only", "pybind_to_string": numel}
+                "pybind_text": "raised: probe: text only", "pybind_to_string": numel, "pybind_one_string": numel}
     failed = _probe_failures(tmp_path / "cpp_error_probe.py", _CPP_ERROR_PROBE, expected,
                              lambda stdout, message: message in stdout)
     assert not failed, failed
