@@ -1195,7 +1195,7 @@ def _probe_failures(path: Path, script: str, cases: dict[str, str], right) -> di
     return failed
 
 
-def test_extensions_are_built_with_the_shared_flags(monkeypatch, tmp_path):
+def test_extensions_are_built_with_the_shared_flags(monkeypatch):
     """Every extension gets nvcc's flags and the link flags that keep a statically linked C++ runtime to the
     extension (on a machine whose CXX links libstdc++.a, an exported copy crashed every error message holding a
     number; benchmarks/NOTES.md), as the C++-error probe below is built."""
@@ -1288,8 +1288,8 @@ def test_gpu_cpp_errors_reach_python(tmp_path):
     the process, and from the tiles' check of the ternary extension's header. A case that crashes its process names
     itself here (the ops' own error tests would only crash). Three cases tell a message's number from the throw itself:
     one without a number, one with the number given as a string, one whose message is a single string that no stream
-    formats (benchmarks/NOTES.md: on one machine every extension built there crashed in the stream insertion of an
-    integer)."""
+    formats (benchmarks/NOTES.md: on a machine whose CXX links libstdc++ statically, every message that streamed an
+    integer crashed until the extensions were linked with cuda_build.link_flags)."""
     numel = "raised: probe: numel 3"
     expected = {"pybind": numel, "op": numel, "op_after_triton": numel,
                 "op_project_header": "raised: probe: tiles must be contiguous",
