@@ -40,16 +40,22 @@ def arch_flags() -> list[str]:
 
 
 def cuda_cflags() -> list[str]:
-    """nvcc's flags for every extension (and for a probe that must be built as they are)."""
+    """nvcc's flags for every extension."""
     return ["-O3", "-std=c++17", *arch_flags()]
 
 
 def link_flags() -> list[str]:
-    """The linker's flags for every extension (and for a probe built as they are). A toolchain with only a static
-    C++ runtime (libstdc++.a) links a copy of it into each extension; exported, that copy's symbols are bound in part
-    to the process's libstdc++.so at load, and an error message that formats a number then crashes the process
-    (benchmarks/NOTES.md). Kept local, the copy stays whole; with a shared runtime the flag changes nothing."""
+    """The linker's flags for every extension. A toolchain with only a static C++ runtime (libstdc++.a) links a copy
+    of it into each extension; exported, that copy's symbols are bound in part to the process's libstdc++.so at load,
+    and an error message that formats a number then crashes the process (benchmarks/NOTES.md). Kept local, the copy
+    stays whole; with a shared runtime the flag changes nothing."""
     return ["-Wl,--exclude-libs,ALL"]
+
+
+def build_flags() -> dict:
+    """The compiler and linker flags of every extension, as ``torch.utils.cpp_extension.load`` takes them (a probe
+    passes the same to be built as the extensions are)."""
+    return dict(extra_cflags=["-O3"], extra_cuda_cflags=cuda_cflags(), extra_ldflags=link_flags())
 
 
 class LazyExtension:
@@ -70,8 +76,7 @@ class LazyExtension:
                         raise RuntimeError(f"{self.what} need a CUDA GPU and nvcc")
                     from torch.utils.cpp_extension import load
 
-                    self.module = load(name=self.name, sources=[str(self.source)], extra_cflags=["-O3"],
-                                       extra_cuda_cflags=cuda_cflags(), extra_ldflags=link_flags(),
+                    self.module = load(name=self.name, sources=[str(self.source)], **build_flags(),
                                        extra_include_paths=None if self.source.parent == CSRC else [str(CSRC)],
                                        verbose=os.environ.get("PARITY_CUDA_VERBOSE") == "1")
         return self.module

@@ -1220,7 +1220,7 @@ import sys
 import torch
 from torch.utils.cpp_extension import load_inline
 
-from vllm_parity.serving.cuda_build import CSRC, cuda_cflags, link_flags
+from vllm_parity.serving.cuda_build import CSRC, build_flags
 
 CU = """
 #include <torch/extension.h>
@@ -1250,8 +1250,7 @@ PYBIND = {"pybind": "check_cu", "pybind_text": "check_text", "pybind_to_string":
           "pybind_one_string": "check_one_string"}
 mod = load_inline("parity_cpp_error_probe", cpp_sources="".join(f"torch::Tensor {f}(torch::Tensor x);"
                                                                 for f in PYBIND.values()),
-                  cuda_sources=CU, functions=list(PYBIND.values()), extra_cflags=["-O3"],
-                  extra_cuda_cflags=cuda_cflags(), extra_ldflags=link_flags())
+                  cuda_sources=CU, functions=list(PYBIND.values()), **build_flags())
 x = torch.ones(3, device="cuda")
 case = sys.argv[1]
 if case == "op_after_triton":
@@ -1266,8 +1265,7 @@ if case == "op_after_triton":
     torch.cuda.synchronize()
 if case == "op_project_header":  # the tiles' check of csrc/ternary_tiles.cuh, as the ternary extension has it
     load_inline("parity_cpp_error_probe_header", cpp_sources="", extra_include_paths=[str(CSRC)],
-                cuda_sources=HEADER_CU, extra_cuda_cflags=cuda_cflags(),
-                extra_ldflags=link_flags(), is_python_module=False)
+                cuda_sources=HEADER_CU, **build_flags(), is_python_module=False)
 try:
     if case in PYBIND:
         getattr(mod, PYBIND[case])(x)
